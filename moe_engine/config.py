@@ -1,0 +1,272 @@
+"""Configuration schema and composition.
+
+Hydra is the single source of configuration. The dataclasses below are registered as Hydra
+structured-config schemas, so an unknown key or a wrongly typed value fails while the config is
+composed, with the key named. `validate` adds the range checks a type cannot express. Every
+workflow rule reads the resolved YAML that `compose` + `save_resolved` write, never the YAML tree.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the value."""
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DeviceKind(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class InputFormat(str, Enum):
+    auto = "auto"
+    jsonl = "jsonl"
+    parquet = "parquet"
+    openai = "openai"
+
+
+class AttentionImpl(str, Enum):
+    auto = "auto"
+    cython = "cython"
+    torch = "torch"
+
+
+class PolicySource(str, Enum):
+    search = "search"
+    config = "config"
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to run. `builtin` names a generated preset; `path` a HF checkpoint dir."""
+
+    name: str = "tiny-mixtral"
+    builtin: Optional[str] = "tiny-mixtral"
+    path: Optional[str] = None
+    dtype: DType = DType.auto
+    seed: int = 0
+    num_shards: int = 1
+
+
+@dataclass
+class HardwareConfig:
+    """What the performance model assumes about the machine (datasheet or profiled figures).
+
+    On a CPU-only machine the "device" is the CPU itself and there is no link (link_gbps is the
+    host memory bandwidth: moving a weight to the device is then a memory copy).
+    """
+
+    name: str = "cpu"
+    device: DeviceKind = DeviceKind.cpu
+    device_memory_gb: float = 16.0
+    host_memory_gb: float = 24.0
+    link_gbps: float = 20.0
+    device_bw_gbps: float = 20.0
+    cpu_bw_gbps: float = 20.0
+    device_tflops: float = 0.27
+    cpu_tflops: float = 0.27
+    cpu_cores: int = 2
+    profile: Optional[str] = None
+
+
+@dataclass
+class WorkloadConfig:
+    """The corpus to run and the default sampling parameters for its rows."""
+
+    name: str = "sample"
+    inputs: list[str] = field(default_factory=lambda: ["data/sample_prompts.jsonl"])
+    format: InputFormat = InputFormat.auto
+    id_column: Optional[str] = "id"
+    prompt_column: str = "prompt"
+    messages_column: str = "messages"
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    max_prompt_tokens: Optional[int] = None
+    num_shards: int = 2
+    limit: Optional[int] = None
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs: backend, KV cache budget, batching, and the policy's knobs."""
+
+    backend: DeviceKind = DeviceKind.cpu
+    threads: int = 0
+    kv_cache_gb: float = 0.5
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_prefill_tokens: int = 2048
+    num_micro_batches: int = 2
+    attention: AttentionImpl = AttentionImpl.auto
+    policy: PolicySource = PolicySource.search
+    resident_ratio: float = 1.0
+    attention_on_device: bool = False
+    ffn_on_device: bool = True
+    checkpoint_every: int = 32
+
+
+@dataclass
+class AppConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    results_dir: str = "results"
+    resources_dir: str = "resources"
+
+
+def register_schemas() -> None:
+    """Register the schemas with Hydra's ConfigStore (idempotent: storing again overwrites)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=AppConfig)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="hardware", name="base_hardware", node=HardwareConfig)
+    cs.store(group="workload", name="base_workload", node=WorkloadConfig)
+    cs.store(group="engine", name="base_engine", node=EngineConfig)
+
+
+def parse_overrides(overrides: str | list[str] | None) -> list[str]:
+    """Overrides as given to `snakemake --config overrides="a=1 b.c=2"` (shell-quoted words)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return shlex.split(overrides)
+    return [str(o) for o in overrides]
+
+
+def compose(overrides: str | list[str] | None = None, config_dir: Path | str | None = None) -> AppConfig:
+    """Compose config/ with Hydra plus overrides, validate, and return the typed config.
+
+    Raises ConfigError naming the offending key for unknown keys, bad types and bad ranges.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_schemas()
+    config_dir = Path(config_dir or CONFIG_DIR).resolve()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=parse_overrides(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(f"invalid configuration: {_describe(exc)}") from exc
+    app = OmegaConf.to_object(cfg)
+    assert isinstance(app, AppConfig)
+    validate(app)
+    return app
+
+
+def _describe(exc: BaseException) -> str:
+    """Hydra wraps the OmegaConf error that names the key and reason; show the whole chain."""
+    parts = []
+    while exc is not None:
+        text = str(exc).strip()
+        if text and text not in parts:
+            parts.append(text)
+        exc = exc.__cause__
+    return " <- ".join(parts)
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def validate(cfg: AppConfig) -> None:
+    """Range and consistency checks that types alone cannot express."""
+    m, hw, w, e = cfg.model, cfg.hardware, cfg.workload, cfg.engine
+    _check(m.builtin is not None or m.path is not None, "model.path", m.path,
+           "set model.path to a checkpoint directory or model.builtin to a preset")
+    if m.builtin is not None:
+        from moe_engine.checkpoints import PRESETS
+
+        _check(m.builtin in PRESETS, "model.builtin", m.builtin,
+               f"unknown preset; choose one of {sorted(PRESETS)}")
+    _check(m.num_shards >= 1, "model.num_shards", m.num_shards, "must be >= 1")
+    for key in ("device_memory_gb", "host_memory_gb", "link_gbps", "device_bw_gbps",
+                "cpu_bw_gbps", "device_tflops", "cpu_tflops"):
+        value = getattr(hw, key)
+        _check(value > 0, f"hardware.{key}", value, "must be > 0")
+    _check(hw.cpu_cores >= 1, "hardware.cpu_cores", hw.cpu_cores, "must be >= 1")
+    _check(len(w.inputs) > 0, "workload.inputs", w.inputs, "need at least one input file")
+    _check(w.max_new_tokens >= 1, "workload.max_new_tokens", w.max_new_tokens, "must be >= 1")
+    _check(w.temperature >= 0, "workload.temperature", w.temperature, "must be >= 0")
+    _check(0 < w.top_p <= 1, "workload.top_p", w.top_p, "must be in (0, 1]")
+    _check(w.top_k >= 0, "workload.top_k", w.top_k, "must be >= 0 (0 disables top-k)")
+    _check(w.num_shards >= 1, "workload.num_shards", w.num_shards, "must be >= 1")
+    _check(w.limit is None or w.limit >= 0, "workload.limit", w.limit, "must be >= 0")
+    _check(w.max_prompt_tokens is None or w.max_prompt_tokens >= 1, "workload.max_prompt_tokens",
+           w.max_prompt_tokens, "must be >= 1")
+    _check(e.threads >= 0, "engine.threads", e.threads, "must be >= 0 (0 = all cores)")
+    _check(e.kv_cache_gb > 0, "engine.kv_cache_gb", e.kv_cache_gb, "must be > 0")
+    _check(e.block_size >= 1 and (e.block_size & (e.block_size - 1)) == 0, "engine.block_size",
+           e.block_size, "must be a power of two")
+    _check(e.max_num_seqs >= 1, "engine.max_num_seqs", e.max_num_seqs, "must be >= 1")
+    _check(e.max_prefill_tokens >= 1, "engine.max_prefill_tokens", e.max_prefill_tokens,
+           "must be >= 1")
+    _check(e.num_micro_batches >= 1, "engine.num_micro_batches", e.num_micro_batches,
+           "must be >= 1")
+    _check(0.0 <= e.resident_ratio <= 1.0, "engine.resident_ratio", e.resident_ratio,
+           "must be in [0, 1]")
+    _check(e.checkpoint_every >= 1, "engine.checkpoint_every", e.checkpoint_every, "must be >= 1")
+
+
+def to_yaml(cfg: AppConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_resolved(cfg: AppConfig, path: Path | str) -> Path:
+    """Write the resolved config; rules read this file so every job sees the same values."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(path)
+    return path
+
+
+def save_resolved_if_changed(cfg: AppConfig, path: Path | str) -> Path:
+    """Like save_resolved, but leave the file (and its mtime) alone when nothing changed, so
+    Snakemake does not rerun every job just because the workflow was parsed again."""
+    path = Path(path)
+    if path.exists() and path.read_text() == to_yaml(cfg):
+        return path
+    return save_resolved(cfg, path)
+
+
+def load_resolved(path: Path | str) -> AppConfig:
+    """Read a resolved config file back into the typed schema (validated again)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(AppConfig), OmegaConf.load(str(path)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"invalid configuration in {path}: {_describe(exc)}") from exc
+    app = OmegaConf.to_object(merged)
+    assert isinstance(app, AppConfig)
+    validate(app)
+    return app

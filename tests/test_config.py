@@ -1,0 +1,69 @@
+"""The Hydra config tree: defaults compose, overrides apply, and errors name the key."""
+from __future__ import annotations
+
+import pytest
+
+from moe_engine.config import (AppConfig, ConfigError, DeviceKind, compose, load_resolved,
+                               save_resolved, save_resolved_if_changed)
+
+
+def test_default_config_composes_to_typed_schema():
+    cfg = compose()
+    assert isinstance(cfg, AppConfig)
+    assert cfg.model.builtin == "tiny-mixtral"
+    assert cfg.hardware.device is DeviceKind.cpu
+    assert cfg.workload.inputs == ["data/sample_prompts.jsonl"]
+
+
+def test_overrides_string_is_split_like_a_shell():
+    cfg = compose('model=small-mixtral engine.kv_cache_gb=2.5 "workload.stop=[\'END\',\'STOP\']"')
+    assert cfg.model.builtin == "small-mixtral"
+    assert cfg.engine.kv_cache_gb == 2.5
+    assert cfg.workload.stop == ["END", "STOP"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("engine.bogus=1", "engine.bogus"),
+    ("engine.block_size=abc", "engine.block_size"),
+    ("engine.backend=tpu", "engine.backend"),
+    ("workload.max_new_tokens=1.5x", "workload.max_new_tokens"),
+    ("engine.kv_cache_gb=-1", "engine.kv_cache_gb"),
+    ("engine.block_size=12", "engine.block_size"),
+    ("engine.resident_ratio=1.5", "engine.resident_ratio"),
+    ("workload.top_p=0", "workload.top_p"),
+    ("model.builtin=giant-mixtral", "model.builtin"),
+    ("model=hf", "model.path"),
+    ("model=no-such-group-option", "model/no-such-group-option"),
+])
+def test_bad_override_fails_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        compose(override)
+    assert key in str(err.value)
+
+
+def test_real_checkpoint_path_is_accepted():
+    cfg = compose("model=hf model.path=/models/Mixtral-8x7B-v0.1")
+    assert cfg.model.builtin is None and cfg.model.path == "/models/Mixtral-8x7B-v0.1"
+
+
+def test_resolved_file_round_trips(tmp_path):
+    cfg = compose("engine.max_num_seqs=17 workload.num_shards=3")
+    path = save_resolved(cfg, tmp_path / "config.yaml")
+    assert load_resolved(path) == cfg
+
+
+def test_resolved_file_with_unknown_key_is_rejected(tmp_path):
+    path = save_resolved(compose(), tmp_path / "config.yaml")
+    path.write_text(path.read_text() + "surprise: 1\n")
+    with pytest.raises(ConfigError, match="surprise"):
+        load_resolved(path)
+
+
+def test_unchanged_config_keeps_file_mtime(tmp_path):
+    cfg = compose()
+    path = save_resolved_if_changed(cfg, tmp_path / "config.yaml")
+    before = path.stat().st_mtime_ns
+    save_resolved_if_changed(cfg, path)
+    assert path.stat().st_mtime_ns == before
+    save_resolved_if_changed(compose("workload.max_new_tokens=9"), path)
+    assert "max_new_tokens: 9" in path.read_text()
