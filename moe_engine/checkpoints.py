@@ -1,0 +1,254 @@
+"""Built-in random-weight checkpoints in Hugging Face format.
+
+There is no model hub here, so the project generates its own checkpoints and runs the real
+loading code on them. A checkpoint is a pure function of (preset, seed): the same inputs give the
+same bytes, so tests can pin behaviour and the workflow can regenerate instead of storing models.
+
+The directory looks like a hub download: config.json, generation_config.json, model.safetensors
+(or shards + model.safetensors.index.json), tokenizer.json, tokenizer_config.json (chat template).
+Tensor names are the legacy Mixtral names that real Mixtral checkpoints on the hub use.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from moe_engine.tokenizer_builder import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, write_tokenizer
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MixtralPreset:
+    """Shapes of a built-in Mixtral. vocab_size may exceed the tokenizer (padded rows, see below)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    vocab_size: int
+    tokenizer_vocab_size: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-5
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+PRESETS: dict[str, MixtralPreset] = {
+    # CI-sized: every code path of a real Mixtral (GQA 2:1, 8 experts top-2), ~14 MB in fp32.
+    # The tokenizer has 8192 tokens: with it the bundled corpus has MTBench-like lengths.
+    "tiny-mixtral": MixtralPreset(
+        hidden_size=128, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=8192, tokenizer_vocab_size=8192, dtype="float32"),
+    # Benchmark-sized: Mixtral-like per-layer shapes at 4 layers (~428M parameters, bf16).
+    "small-mixtral": MixtralPreset(
+        hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=32000, tokenizer_vocab_size=8192, dtype="bfloat16"),
+}
+
+
+def hf_config(preset: MixtralPreset) -> dict:
+    """config.json contents, in the key style of the hub's Mixtral checkpoints."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "attention_dropout": 0.0,
+        "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "hidden_act": "silu",
+        "hidden_size": preset.hidden_size,
+        "head_dim": preset.head_dim,
+        "initializer_range": 0.02,
+        "intermediate_size": preset.intermediate_size,
+        "max_position_embeddings": preset.max_position_embeddings,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_experts_per_tok": preset.num_experts_per_tok,
+        "num_hidden_layers": preset.num_hidden_layers,
+        "num_key_value_heads": preset.num_key_value_heads,
+        "num_local_experts": preset.num_local_experts,
+        "output_router_logits": False,
+        "rms_norm_eps": preset.rms_norm_eps,
+        "rope_theta": preset.rope_theta,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": preset.dtype,
+        "use_cache": True,
+        "vocab_size": preset.vocab_size,
+    }
+
+
+def _tensor_shapes(p: MixtralPreset) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init kind) in a fixed order: the order random numbers are drawn in."""
+    h, hi, d = p.hidden_size, p.intermediate_size, p.head_dim
+    shapes: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (p.vocab_size, h), "embedding")]
+    for i in range(p.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        shapes += [
+            (f"{pre}.input_layernorm.weight", (h,), "norm"),
+            (f"{pre}.self_attn.q_proj.weight", (p.num_attention_heads * d, h), "linear"),
+            (f"{pre}.self_attn.k_proj.weight", (p.num_key_value_heads * d, h), "linear"),
+            (f"{pre}.self_attn.v_proj.weight", (p.num_key_value_heads * d, h), "linear"),
+            (f"{pre}.self_attn.o_proj.weight", (h, p.num_attention_heads * d), "residual"),
+            (f"{pre}.post_attention_layernorm.weight", (h,), "norm"),
+            (f"{pre}.block_sparse_moe.gate.weight", (p.num_local_experts, h), "router"),
+        ]
+        for e in range(p.num_local_experts):
+            ex = f"{pre}.block_sparse_moe.experts.{e}"
+            shapes += [(f"{ex}.w1.weight", (hi, h), "linear"),
+                       (f"{ex}.w2.weight", (h, hi), "residual"),
+                       (f"{ex}.w3.weight", (hi, h), "linear")]
+    shapes += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (p.vocab_size, h), "lm_head")]
+    return shapes
+
+
+def _init_tensor(kind: str, shape: tuple[int, ...], p: MixtralPreset, g: torch.Generator,
+                 text_vocab: int) -> torch.Tensor:
+    # Scales are chosen so that every layer visibly changes the residual stream (a wrong weight
+    # mapping then changes the logits), router logits are spread (few near-ties in top-k, so
+    # implementations agree on the experts), and output logits are peaked (greedy parity does not
+    # hinge on near-ties, and sampling stays on the tokenizer's real tokens, see lm_head below).
+    fan_in = shape[-1]
+    if kind == "embedding":
+        t = torch.randn(shape, generator=g)
+    elif kind == "norm":
+        t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+    elif kind == "linear":
+        t = torch.randn(shape, generator=g) / math.sqrt(fan_in)
+    elif kind == "residual":
+        t = torch.randn(shape, generator=g) / math.sqrt(fan_in * 2 * p.num_hidden_layers)
+    elif kind == "router":
+        t = 2.0 * torch.randn(shape, generator=g) / math.sqrt(fan_in)
+    elif kind == "lm_head":
+        t = 4.0 * torch.randn(shape, generator=g) / math.sqrt(fan_in)
+    else:
+        raise ValueError(f"unknown init kind {kind!r}")
+    if kind in ("embedding", "lm_head") and p.vocab_size > text_vocab:
+        # Vocabulary padding rows, as real checkpoints pad vocab for GEMM alignment: all-zero, so
+        # their logit is 0 while real tokens' logits are peaked; no text maps to them.
+        t[text_vocab:] = 0.0
+    return t
+
+
+def generate_state_dict(preset: MixtralPreset, seed: int, text_vocab: int) -> dict[str, torch.Tensor]:
+    """All weights of a preset, drawn from one seeded generator in a fixed order.
+
+    text_vocab is the tokenizer's size: embedding rows past it are vocabulary padding.
+    """
+    if text_vocab > preset.vocab_size:
+        raise ValueError(f"tokenizer has {text_vocab} tokens, more than vocab_size {preset.vocab_size}")
+    g = torch.Generator().manual_seed(seed)
+    dtype = _DTYPES[preset.dtype]
+    return {name: _init_tensor(kind, shape, preset, g, text_vocab).to(dtype).contiguous()
+            for name, shape, kind in _tensor_shapes(preset)}
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else -1
+
+
+def _write_weights(state: dict[str, torch.Tensor], out_dir: Path, num_shards: int, num_layers: int) -> None:
+    meta = {"format": "pt"}
+    if num_shards == 1:
+        save_file(state, str(out_dir / WEIGHTS_NAME), metadata=meta)
+        return
+    # Split by decoder layer (embeddings in the first shard, final norm/lm_head in the last), as
+    # hub checkpoints do, so a loader must follow the index rather than assume one file.
+    shard_of_layer = lambda layer: min(num_shards - 1, max(0, layer) * num_shards // max(1, num_layers))
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
+    for name, tensor in state.items():
+        layer = _layer_of(name)
+        idx = 0 if name.startswith("model.embed_tokens") else (
+            num_shards - 1 if layer < 0 else shard_of_layer(layer))
+        shards[idx][name] = tensor
+    weight_map = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata=meta)
+        for name, tensor in shard.items():
+            weight_map[name] = fname
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def build_checkpoint(preset: str, out_dir: Path | str, seed: int = 0, num_shards: int = 1,
+                     corpus_files: list[Path] | None = None) -> Path:
+    """Write the built-in checkpoint `preset` to out_dir (replaced atomically) and return it.
+
+    Deterministic: the same (preset, seed, num_shards, corpus) gives byte-identical files.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"model.builtin={preset!r}: unknown preset; choose one of {sorted(PRESETS)}")
+    if num_shards < 1:
+        raise ValueError(f"model.num_shards={num_shards!r}: must be >= 1")
+    spec = PRESETS[preset]
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    config = hf_config(spec)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "do_sample": False}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    text_vocab = write_tokenizer(tmp, spec.tokenizer_vocab_size, spec.max_position_embeddings,
+                                 corpus_files)
+    _write_weights(generate_state_dict(spec, seed, text_vocab), tmp, num_shards,
+                   spec.num_hidden_layers)
+    (tmp / "builtin.json").write_text(json.dumps(
+        {"preset": preset, "seed": seed, "num_shards": num_shards, "shapes": asdict(spec)},
+        indent=2, sort_keys=True) + "\n")
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.replace(out_dir)
+    return out_dir
+
+
+def ensure_builtin(preset: str, resources_dir: Path | str, seed: int = 0, num_shards: int = 1) -> Path:
+    """Path of resources/models/<preset>, built if missing or built with other parameters."""
+    out_dir = Path(resources_dir) / "models" / preset
+    stamp = out_dir / "builtin.json"
+    if stamp.exists():
+        info = json.loads(stamp.read_text())
+        if (info.get("preset"), info.get("seed"), info.get("num_shards")) == (preset, seed, num_shards):
+            return out_dir
+    return build_checkpoint(preset, out_dir, seed=seed, num_shards=num_shards)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build a built-in random-weight HF checkpoint.")
+    parser.add_argument("preset", choices=sorted(PRESETS))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-shards", type=int, default=1)
+    args = parser.parse_args(argv)
+    path = build_checkpoint(args.preset, args.out_dir, seed=args.seed, num_shards=args.num_shards)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Shared fixtures: the built-in tiny checkpoint, generated once per test session."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA; without it they are skipped, never faked."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> Path:
+    """The `tiny-mixtral` preset, seed 0, from the bundled corpus (single safetensors file)."""
+    from moe_engine.checkpoints import build_checkpoint
+
+    return build_checkpoint("tiny-mixtral", tmp_path_factory.mktemp("models") / "tiny-mixtral", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_sharded_dir(tmp_path_factory) -> Path:
+    """The same checkpoint split into 2 safetensors shards with an index."""
+    from moe_engine.checkpoints import build_checkpoint
+
+    return build_checkpoint("tiny-mixtral", tmp_path_factory.mktemp("models") / "tiny-sharded",
+                            seed=0, num_shards=2)

@@ -1,0 +1,158 @@
+"""Built-in checkpoints: deterministic bytes, HF-loadable, sharded form, tokenizer behaviour."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_engine.checkpoints import (INDEX_NAME, PRESETS, build_checkpoint, ensure_builtin,
+                                    generate_state_dict)
+from moe_engine.tokenization import load_tokenizer
+from moe_engine.tokenizer_builder import corpus_texts
+
+EXPECTED_FILES = {"config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "builtin.json"}
+
+
+def _file_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_same_seed_gives_identical_bytes(tiny_mixtral_dir, tmp_path):
+    again = build_checkpoint("tiny-mixtral", tmp_path / "again", seed=0)
+    assert _file_bytes(again) == _file_bytes(tiny_mixtral_dir)
+
+
+def test_other_seed_changes_weights_not_tokenizer(tiny_mixtral_dir, tmp_path):
+    other = build_checkpoint("tiny-mixtral", tmp_path / "other", seed=1)
+    a, b = _file_bytes(tiny_mixtral_dir), _file_bytes(other)
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"]
+
+
+def test_directory_has_hf_layout(tiny_mixtral_dir):
+    names = {p.name for p in tiny_mixtral_dir.iterdir()}
+    assert EXPECTED_FILES | {"model.safetensors"} <= names
+    config = json.loads((tiny_mixtral_dir / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert config["num_local_experts"] == 8 and config["num_experts_per_tok"] == 2
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+    size_mb = (tiny_mixtral_dir / "model.safetensors").stat().st_size / 2**20
+    assert size_mb < 16, f"tiny checkpoint should be a few MB, is {size_mb:.1f} MB"
+
+
+def test_transformers_loads_every_tensor(tiny_mixtral_dir):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert model.dtype == torch.float32
+    # The loaded weights are the generated ones (not a fresh random init that happens to load).
+    state = generate_state_dict(PRESETS["tiny-mixtral"], seed=0,
+                                text_vocab=load_tokenizer(tiny_mixtral_dir).hf.vocab_size)
+    torch.testing.assert_close(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    torch.testing.assert_close(model.lm_head.weight, state["lm_head.weight"])
+
+
+def test_sharded_checkpoint_loads_with_same_logits(tiny_mixtral_dir, tiny_mixtral_sharded_dir):
+    from transformers import AutoModelForCausalLM
+
+    index = json.loads((tiny_mixtral_sharded_dir / INDEX_NAME).read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) == 2 and all((tiny_mixtral_sharded_dir / f).exists() for f in files)
+    assert not (tiny_mixtral_sharded_dir / "model.safetensors").exists()
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    single = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir))
+    sharded = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_sharded_dir))
+    with torch.no_grad():
+        torch.testing.assert_close(single(ids).logits, sharded(ids).logits, rtol=0, atol=0)
+
+
+def test_vocab_padding_rows_are_zero():
+    preset = replace(PRESETS["tiny-mixtral"], vocab_size=512, hidden_size=32, intermediate_size=16,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    state = generate_state_dict(preset, seed=0, text_vocab=300)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.count_nonzero(state[name][300:]) == 0
+        assert torch.count_nonzero(state[name][:300]) == 300 * 32
+    with pytest.raises(ValueError, match="more than vocab_size"):
+        generate_state_dict(preset, seed=0, text_vocab=600)
+
+
+def test_unknown_preset_is_named(tmp_path):
+    with pytest.raises(ValueError, match="giant"):
+        build_checkpoint("giant", tmp_path / "x")
+
+
+def test_ensure_builtin_reuses_matching_build(tmp_path):
+    first = ensure_builtin("tiny-mixtral", tmp_path, seed=3)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert ensure_builtin("tiny-mixtral", tmp_path, seed=3) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    ensure_builtin("tiny-mixtral", tmp_path, seed=4)
+    assert json.loads((first / "builtin.json").read_text())["seed"] == 4
+
+
+@pytest.mark.parametrize("text", [
+    "Plain English prompt, with punctuation!",
+    "def add(a, b):\n    return a + b\n",
+    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e \u2014 \u6771\u4eac\u306e\u5929\u6c17 \U0001f680",
+    "  leading and trailing spaces  ",
+    "word " * 200,
+])
+def test_tokenizer_round_trips_text(tiny_mixtral_dir, text):
+    tok = load_tokenizer(tiny_mixtral_dir)
+    ids = tok.encode_prompt(text)
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids) == text
+
+
+def test_transformers_autotokenizer_matches(tiny_mixtral_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_mixtral_dir))
+    tok = load_tokenizer(tiny_mixtral_dir)
+    text = "How many experts does Mixtral route each token to?"
+    assert hf(text)["input_ids"] == tok.encode_prompt(text)
+    assert tok.eos_token_ids == {2} and hf.eos_token == "</s>"
+
+
+def test_chat_template_renders_mixtral_format(tiny_mixtral_dir):
+    tok = load_tokenizer(tiny_mixtral_dir)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"}]
+    rendered = tok.hf.decode(tok.encode_messages(messages))
+    assert rendered == "<s>[INST] Be brief.\n\nHi [/INST] Hello.</s>[INST] Bye [/INST]"
+    with pytest.raises(Exception, match="unsupported chat role"):
+        tok.encode_messages([{"role": "tool", "content": "x"}])
+
+
+def test_bundled_corpus_lengths_resemble_mtbench(tiny_mixtral_dir):
+    from moe_engine.tokenizer_builder import DATA_DIR
+
+    tok = load_tokenizer(tiny_mixtral_dir)
+    lengths = []
+    with open(DATA_DIR / "sample_prompts.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert len(rows) >= 300
+    assert any("messages" in r for r in rows) and any("prompt" in r for r in rows)
+    for row in rows:
+        ids = tok.encode_messages(row["messages"]) if "messages" in row else tok.encode_prompt(row["prompt"])
+        lengths.append(len(ids))
+    mean = sum(lengths) / len(lengths)
+    assert 75 <= mean <= 105, f"mean prompt length {mean:.1f} tokens"
+    assert 300 <= max(lengths) <= 480, f"max prompt length {max(lengths)} tokens"
+
+
+def test_corpus_texts_reads_prompts_messages_and_openai_bodies(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]},
+        {"custom_id": "x", "body": {"messages": [{"role": "user", "content": "c"}]}}]) + "\n\n")
+    assert list(corpus_texts([path])) == ["a", "b", "c"]
