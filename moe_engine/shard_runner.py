@@ -1,0 +1,217 @@
+"""Run the engine over one shard, checkpointing completed rows so a killed job resumes.
+
+Completed results are appended to `<out>.ckpt.jsonl` every `engine.checkpoint_every` results
+(flushed and fsynced). A job killed at any point, SIGKILL included, loses at most the results
+since the last flush: on restart, rows found in the checkpoint are not regenerated. The first
+line of the checkpoint fingerprints the resolved config and the shard, so a checkpoint written
+under other settings is discarded rather than mixed in. The shard's output Parquet is written
+to a temporary name and renamed only when every row is present.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import polars as pl
+
+from moe_engine.config import AppConfig, EngineConfig, to_yaml
+from moe_engine.corpus import STATUS_ERROR
+
+GENERATION_SCHEMA = {
+    "id": pl.Utf8, "input_id": pl.Utf8, "source_file": pl.Utf8, "source_row": pl.Int64,
+    "order": pl.Int64, "shard": pl.Int64, "prompt": pl.Utf8, "messages": pl.Utf8,
+    "status": pl.Utf8, "error": pl.Utf8, "finish_reason": pl.Utf8,
+    "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
+    "output_text": pl.Utf8, "output_token_ids": pl.List(pl.Int32),
+    "max_new_tokens": pl.Int64, "temperature": pl.Float64, "top_p": pl.Float64,
+    "top_k": pl.Int64, "seed": pl.Int64,
+}
+_RESULT_FIELDS = ("status", "error", "finish_reason", "prompt_tokens", "completion_tokens",
+                  "output_text", "output_token_ids")
+
+
+def checkpoint_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".ckpt.jsonl")
+
+
+def fingerprint(cfg: AppConfig, shard_path: Path) -> str:
+    digest = hashlib.sha256(to_yaml(cfg).encode())
+    digest.update(Path(shard_path).read_bytes())
+    return digest.hexdigest()
+
+
+def load_checkpoint(path: Path, expected_fingerprint: str) -> dict[str, dict[str, Any]]:
+    """Completed rows by id. A torn last line (killed mid-write) is ignored."""
+    if not path.exists():
+        return {}
+    done: dict[str, dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        header = f.readline()
+        try:
+            if json.loads(header).get("fingerprint") != expected_fingerprint:
+                return {}
+        except ValueError:
+            return {}
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                break
+            done[row["id"]] = row
+    return done
+
+
+class CheckpointWriter:
+    """Appends result rows as JSON lines; durable after each flush."""
+
+    def __init__(self, path: Path, fingerprint_: str, done: dict[str, dict[str, Any]], every: int):
+        self.path, self.every = path, every
+        self.pending: list[dict[str, Any]] = []
+        # Rewrite the file from what survived, so a torn line never sits between valid ones.
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"fingerprint": fingerprint_}) + "\n")
+            for row in done.values():
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        tmp.replace(path)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.pending.append(row)
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.pending))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+
+def result_row(result) -> dict[str, Any]:
+    """The generation columns of one engine RequestResult."""
+    return {"id": result.request_id, "status": result.status, "error": result.error,
+            "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens, "output_text": result.text,
+            "output_token_ids": list(result.token_ids)}
+
+
+def build_requests(frame: pl.DataFrame, cfg: AppConfig) -> Iterator:
+    from moe_engine.request import Request, SamplingParams
+
+    stop = tuple(cfg.workload.stop)
+    for row in frame.iter_rows(named=True):
+        sampling = SamplingParams(
+            max_new_tokens=row["max_new_tokens"], temperature=row["temperature"],
+            top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"], stop=stop,
+            ignore_eos=cfg.workload.ignore_eos)
+        yield Request(request_id=row["id"], prompt_token_ids=list(row["prompt_token_ids"]),
+                      sampling=sampling)
+
+
+def engine_config_for(cfg: AppConfig, policy: dict | None) -> EngineConfig:
+    """The engine knobs for this run: the policy's choice when the config asks for search."""
+    engine = cfg.engine
+    if policy is not None and engine.policy.value == "search" and "engine" in policy:
+        allowed = set(EngineConfig.__dataclass_fields__)
+        engine = replace(engine, **{k: v for k, v in policy["engine"].items() if k in allowed})
+    return engine
+
+
+def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
+              stats_path: Path, policy: dict | None = None, engine=None,
+              progress: bool = True) -> dict[str, Any]:
+    """Generate every row of the shard (resuming from its checkpoint) and write the outputs."""
+    frame = pl.read_parquet(shard_path)
+    fp = fingerprint(cfg, shard_path)
+    ckpt = checkpoint_path(out_path)
+    done = load_checkpoint(ckpt, fp)
+    resumed = len(done)
+    todo = frame.filter(~pl.col("id").is_in(list(done)))
+    writer = CheckpointWriter(ckpt, fp, done, cfg.engine.checkpoint_every)
+    engine_stats: dict[str, Any] = {}
+    started_at = time.time()
+    started = time.perf_counter()
+    try:
+        if todo.height:
+            if engine is None:
+                from moe_engine.engine import LLMEngine
+
+                engine = LLMEngine(model_dir, engine_config_for(cfg, policy),
+                                   dtype=cfg.model.dtype.value)
+            _generate_into(engine, build_requests(todo, cfg), todo.height, frame.height, resumed,
+                           writer, done, progress)
+            engine_stats = engine.stats.to_dict()
+    finally:
+        writer.close()
+    wall = time.perf_counter() - started
+
+    outputs = _assemble(frame, done)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    outputs.write_parquet(tmp)
+    tmp.replace(out_path)
+    stats = {
+        "shard": shard_path.stem, "rows": frame.height, "resumed_rows": resumed,
+        "generated_rows": todo.height, "wall_time_s": wall,
+        "started_at": started_at, "finished_at": started_at + wall,
+        "completion_tokens": int(outputs["completion_tokens"].sum() or 0),
+        "prompt_tokens": int(outputs["prompt_tokens"].sum() or 0),
+        "status_counts": dict(outputs.group_by("status").len().iter_rows()),
+        "engine": engine_stats,
+        "engine_config": {k: (v.value if hasattr(v, "value") else v)
+                          for k, v in engine_config_for(cfg, policy).__dict__.items()},
+    }
+    tmp_stats = stats_path.with_name(stats_path.name + ".tmp")
+    tmp_stats.write_text(json.dumps(stats, indent=2, default=str) + "\n")
+    tmp_stats.replace(stats_path)
+    ckpt.unlink(missing_ok=True)
+    return stats
+
+
+def _generate_into(engine, requests: Iterable, count: int, total: int, resumed: int,
+                   writer: CheckpointWriter, done: dict, progress: bool) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=resumed, desc="generate", unit="req", file=sys.stderr,
+               disable=not progress, mininterval=1.0, dynamic_ncols=False, ascii=True)
+    started, tokens, seen = time.perf_counter(), 0, set()
+    try:
+        for result in engine.generate(requests):
+            row = result_row(result)
+            done[row["id"]] = row
+            seen.add(row["id"])
+            writer.add(row)
+            tokens += row["completion_tokens"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started, 1e-9):.1f}")
+    finally:
+        bar.close()
+    if len(seen) != count:
+        # The engine owes one result per request; a missing one must not vanish from the output.
+        raise RuntimeError(f"engine returned {len(seen)} results for {count} requests")
+
+
+def _assemble(frame: pl.DataFrame, done: dict[str, dict[str, Any]]) -> pl.DataFrame:
+    records = []
+    for row in frame.iter_rows(named=True):
+        result = done.get(row["id"]) or {
+            "status": STATUS_ERROR, "error": "no result produced", "finish_reason": None,
+            "prompt_tokens": row["prompt_tokens"], "completion_tokens": 0, "output_text": None,
+            "output_token_ids": []}
+        record = {k: row.get(k) for k in GENERATION_SCHEMA if k not in _RESULT_FIELDS}
+        record.update({k: result.get(k) for k in _RESULT_FIELDS})
+        records.append(record)
+    return pl.DataFrame(records, schema=GENERATION_SCHEMA)

@@ -1,0 +1,16 @@
+# Paths derived from the resolved config, shared by every rule file.
+from moe_engine.cli import model_dir_of
+
+MODEL_DIR = str(model_dir_of(APP))
+LOGS = f"{RESULTS}/logs"
+BENCH = f"{RESULTS}/benchmarks"
+SHARD_DIR = f"{RESULTS}/shards"
+SHARD_IDS = [str(i) for i in range(APP.workload.num_shards)]
+SHARDS = expand(f"{SHARD_DIR}/{{i}}.parquet", i=SHARD_IDS)
+POLICY = f"{RESULTS}/policy.json"
+GENERATIONS = f"{RESULTS}/generations.parquet"
+# OpenAI batch input gets the matching batch output file; other formats none.
+OPENAI_OUTPUT = [f"{RESULTS}/batch_output.jsonl"] if APP.workload.format.value == "openai" else []
+REPORT_HTML = f"{RESULTS}/report.html"
+REPORT_MD = f"{RESULTS}/report.md"
+USES_GPU = 1 if APP.engine.backend.value == "cuda" else 0
