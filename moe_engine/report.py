@@ -14,9 +14,12 @@ from typing import Any
 
 import polars as pl
 
-# Engine stats keys that split a shard's time by phase, in plotting order.
-TIME_SPLIT_KEYS = ("prefill_time_s", "decode_time_s", "attention_time_s", "ffn_time_s",
-                   "transfer_wait_time_s")
+# Engine stats keys that split a shard's time, in plotting order: by phase (they add up to the
+# engine's time) and by component (attention, FFN, ... inside both phases). Stacking the two
+# kinds together would count the same seconds twice, so they get separate panels.
+PHASE_KEYS = ("prefill_time_s", "decode_time_s")
+COMPONENT_KEYS = ("attention_time_s", "ffn_time_s", "dense_time_s", "head_time_s",
+                  "sampling_time_s", "schedule_time_s", "transfer_wait_time_s")
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,31 @@ def _predicted_tok_s(policy: dict | None) -> float | None:
     return None
 
 
+def binned_rate(timeline: list, bins: int = 30) -> tuple[list[float], list[float]]:
+    """Tokens/s in equal time bins from (elapsed_s, cumulative_tokens) samples.
+
+    Per-step rates swing wildly (a prefill step generates one token per sequence at once), so
+    the report shows the rate over bins of a few steps instead.
+    """
+    if len(timeline) < 2:
+        return [], []
+    end = timeline[-1][0]
+    width = end / bins if end > 0 else 1.0
+    centers, rates = [], []
+    prev_t, prev_tok, j = 0.0, 0, 0
+    for b in range(1, bins + 1):
+        edge = b * width
+        while j < len(timeline) and timeline[j][0] <= edge + 1e-12:
+            j += 1
+        tok = timeline[j - 1][1] if j else 0
+        t = timeline[j - 1][0] if j else 0.0
+        if t > prev_t:
+            centers.append((prev_t + t) / 2)
+            rates.append((tok - prev_tok) / (t - prev_t))
+            prev_t, prev_tok = t, tok
+    return centers, rates
+
+
 def _plots(summary: dict, shards: list[ShardSummary], policy: dict | None, out_dir: Path) -> dict[str, Path]:
     import matplotlib
 
@@ -131,44 +159,42 @@ def _plots(summary: dict, shards: list[ShardSummary], policy: dict | None, out_d
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for s in shards:
-        timeline = s.engine.get("timeline") or []
-        if len(timeline) >= 2:
-            t = [p[0] for p in timeline]
-            tok = [p[1] for p in timeline]
-            rate = [(tok[i] - tok[i - 1]) / max(t[i] - t[i - 1], 1e-9) for i in range(1, len(t))]
-            ax.plot(t[1:], rate, label=f"shard {s.shard}")
+        centers, rates = binned_rate(s.engine.get("timeline") or [])
+        if centers:
+            ax.plot(centers, rates, marker=".", label=f"shard {s.shard}")
     ax.set_xlabel("time since shard start (s)")
     ax.set_ylabel("generated tokens / s")
-    ax.set_title("Throughput over time")
+    ax.set_title("Throughput over time (binned)")
     if shards:
         ax.legend(fontsize=8)
     save(fig, "throughput_over_time", "Throughput over time")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bottom = [0.0] * len(shards)
-    for key in TIME_SPLIT_KEYS:
-        values = [float(s.engine.get(key) or 0.0) for s in shards]
-        if any(values):
-            ax.bar(names, values, bottom=bottom, label=key.removesuffix("_time_s"))
-            bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("shard")
-    ax.set_ylabel("seconds")
-    ax.set_title("Time split by phase")
-    ax.legend(fontsize=8)
-    save(fig, "time_split", "Time split by phase")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), sharey=True)
+    for ax, keys, title in ((axes[0], PHASE_KEYS, "by phase"), (axes[1], COMPONENT_KEYS, "by component")):
+        bottom = [0.0] * len(shards)
+        for key in keys:
+            values = [float(s.engine.get(key) or 0.0) for s in shards]
+            if any(values):
+                ax.bar(names, values, bottom=bottom, label=key.removesuffix("_time_s"))
+                bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_xlabel("shard")
+        ax.set_title(f"Engine time {title}")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("seconds")
+    save(fig, "time_split", "Time split by phase and component")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     used = [float(s.engine.get("kv_blocks_high_water") or 0) for s in shards]
     total = [float(s.engine.get("kv_blocks_total") or 0) for s in shards]
-    ax.bar(names, total, color="lightgray", label="KV blocks available")
-    ax.bar(names, used, color="tab:purple", label="high-water mark")
+    percent = [100.0 * u / t if t else 0.0 for u, t in zip(used, total)]
+    ax.bar(names, percent, color="tab:purple")
     for i, s in enumerate(shards):
-        ax.annotate(f"{s.engine.get('preemptions', 0)} preempted", (i, used[i]),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{int(used[i])}/{int(total[i])} blocks\n{s.engine.get('preemptions', 0)} preempted",
+                    (i, percent[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 115)
     ax.set_xlabel("shard")
-    ax.set_ylabel("blocks")
+    ax.set_ylabel("KV blocks high-water (% of cache)")
     ax.set_title("KV cache use and preemptions")
-    ax.legend(fontsize=8)
     save(fig, "kv_cache", "KV cache use")
 
     reasons = summary["rejected_by_reason"]

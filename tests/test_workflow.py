@@ -1,0 +1,148 @@
+"""The Snakemake workflow end to end on the tiny model: outputs, row accounting, dry run,
+resume after SIGKILL, OpenAI batch round trip. Each test runs snakemake in its own directory."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
+pytestmark = pytest.mark.slow
+
+
+def snakemake_cmd(workdir: Path, overrides: str, *extra: str) -> list[str]:
+    return [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
+            "--config", f"overrides={overrides}", *extra]
+
+
+def run_snakemake(workdir: Path, overrides: str, *extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(snakemake_cmd(workdir, overrides, *extra), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """30 sample rows plus bad rows of every kind the reader must account for."""
+    path = tmp_path_factory.mktemp("corpus") / "mixed.jsonl"
+    # Rows without their own max_new_tokens, so workload.max_new_tokens keeps the test short.
+    sample = [line for line in (REPO / "data" / "sample_prompts.jsonl").read_bytes().splitlines()
+              if b'"max_new_tokens"' not in line][:30]
+    bad = [b'{"id": "broken", "prompt": "unterminated', b'{"id": "empty", "prompt": ""}',
+           b'{"id": "latin1", "prompt": "caf\xe9"}', b'{"id": "typed", "prompt": 7}',
+           json.dumps({"id": "long", "prompt": "word " * 6000}).encode(),
+           json.dumps({"id": "neg-temp", "prompt": "hi", "temperature": -1.0}).encode()]
+    path.write_bytes(b"\n".join(sample[:10] + bad + sample[10:]) + b"\n")
+    return path
+
+
+def _overrides(corpus: Path, *more: str) -> str:
+    return " ".join([f"workload.inputs=[{corpus}]", "workload.max_new_tokens=8",
+                     "engine.policy=config", *more])
+
+
+def test_full_run_accounts_for_every_row(tmp_path, corpus):
+    run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=3"))
+    results = tmp_path / "results"
+    merged = pl.read_parquet(results / "generations.parquet")
+    lines = corpus.read_bytes().splitlines()
+    assert merged.height == len(lines)
+    assert merged["source_row"].to_list() == list(range(len(lines)))
+    assert merged["id"].n_unique() == merged.height
+    by_row = {r["source_row"]: r for r in merged.iter_rows(named=True)}
+    # The bad rows sit at lines 10-15 (see the corpus fixture).
+    expected = {10: "malformed JSON", 11: "empty prompt", 12: "undecodable bytes",
+                13: "prompt must be a string", 14: "tokens; the limit is", 15: "temperature"}
+    for row, needle in expected.items():
+        assert by_row[row]["status"] == "rejected" and needle in by_row[row]["error"], by_row[row]
+    assert by_row[12]["id"] == "mixed:12" and by_row[11]["id"] == "empty"
+    ok = merged.filter(pl.col("status") == "ok")
+    assert ok.height == 30
+    assert all(1 <= n <= 8 for n in ok["completion_tokens"].to_list())
+    assert set(ok["finish_reason"].to_list()) <= {"length", "stop"}
+    assert set(ok["shard"].to_list()) == {0, 1, 2}
+    for name in ("report.html", "report.md", "summary.json", "policy.json", "config.yaml",
+                 "plots/throughput.png", "plots/time_split.png", "plots/rejected.png"):
+        assert (results / name).exists(), name
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["rows"] == len(lines) and summary["completion_tokens"] == ok["completion_tokens"].sum()
+    # A second invocation has nothing to do.
+    again = run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=3"))
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_dry_run_plans_one_generate_job_per_shard(tmp_path, corpus):
+    proc = run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=4"), "-n")
+    out = proc.stdout + proc.stderr
+    counts = {parts[0]: int(parts[1]) for parts in (l.split() for l in out.splitlines())
+              if len(parts) == 2 and parts[1].isdigit()}
+    assert counts.get("generate") == 4 and counts.get("shard") == 1 and counts.get("merge") == 1
+
+
+def test_bad_override_fails_at_parse_time_naming_the_key(tmp_path, corpus):
+    proc = subprocess.run(snakemake_cmd(tmp_path, "engine.kv_cache_gb=oops", "-n"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "engine.kv_cache_gb" in proc.stdout + proc.stderr
+
+
+def test_killed_generate_job_resumes_without_redoing_checkpointed_rows(tmp_path, corpus):
+    overrides = _overrides(corpus, "workload.num_shards=1", "workload.max_new_tokens=24",
+                           "engine.checkpoint_every=3", "engine.max_num_seqs=2",
+                           "workload.temperature=0.8")
+    # Reference: the same run, uninterrupted, in its own directory.
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    run_snakemake(reference_dir, overrides)
+    reference = pl.read_parquet(reference_dir / "results" / "generations.parquet")
+
+    workdir = tmp_path / "killed"
+    workdir.mkdir()
+    ckpt = workdir / "results" / "generations" / "0.parquet.ckpt.jsonl"
+    proc = subprocess.Popen(snakemake_cmd(workdir, overrides), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if ckpt.exists() and len(ckpt.read_text().splitlines()) >= 1 + 6:
+            break
+        assert proc.poll() is None, "workflow finished before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    checkpointed = len(ckpt.read_text().splitlines()) - 1
+    assert 6 <= checkpointed < 31
+    assert not (workdir / "results" / "generations" / "0.parquet").exists()
+
+    # What a user does after a kill: release Snakemake's lock, then run again.
+    run_snakemake(workdir, overrides, "--unlock")
+    run_snakemake(workdir, overrides, "--rerun-incomplete")
+    stats = json.loads((workdir / "results" / "stats" / "0.json").read_text())
+    assert stats["resumed_rows"] == checkpointed
+    # 30 sample rows + the negative-temperature row, which only the engine rejects.
+    assert stats["rows"] == 31
+    assert stats["generated_rows"] == stats["rows"] - checkpointed
+    resumed = pl.read_parquet(workdir / "results" / "generations.parquet")
+    cols = ["id", "status", "output_token_ids", "output_text", "finish_reason"]
+    assert resumed.select(cols).equals(reference.select(cols))
+
+
+def test_openai_batch_round_trip(tmp_path):
+    run_snakemake(tmp_path, f"workload=openai-batch workload.inputs=[{REPO / 'data' / 'openai_batch_example.jsonl'}]"
+                            " engine.policy=config")
+    inputs = [json.loads(l) for l in (REPO / "data" / "openai_batch_example.jsonl").read_text().splitlines() if l.strip()]
+    outputs = [json.loads(l) for l in (tmp_path / "results" / "batch_output.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in outputs] == [i["custom_id"] for i in inputs]
+    for i, o in zip(inputs, outputs):
+        assert o["error"] is None
+        body = o["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] <= i["body"]["max_tokens"]
