@@ -42,7 +42,8 @@ def _extensions():
         link_args.append("-fopenmp")
     else:
         print("moe-batch: building kernels WITHOUT OpenMP (single-threaded)", file=sys.stderr)
-    sources = sorted(f for f in os.listdir("kernels_cy") if f.endswith(".pyx"))
+    sources = sorted(f for f in os.listdir("kernels_cy") if f.endswith(".pyx")) \
+        if os.path.isdir("kernels_cy") else []
     exts = [
         Extension(
             f"moe_engine._kernels.{os.path.splitext(name)[0]}",
