@@ -1,0 +1,1 @@
+"""Compiled Cython kernels (built from kernels_cy/ by setup.py)."""

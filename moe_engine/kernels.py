@@ -1,0 +1,192 @@
+"""Decode attention over the paged host KV cache, and appending K/V rows to it.
+
+Thin wrapper around the Cython kernel `moe_engine._kernels.paged_attention` (built from
+kernels_cy/ by setup.py). It validates shapes, dtypes and contiguity, then hands raw pointers to
+the kernel, which releases the GIL and runs one OpenMP task per (sequence, KV head).
+
+Cache layout, one layer: key_cache and value_cache are [num_blocks, n_kv_heads, block_size,
+head_dim], fp32, bf16 or fp16. Each (block, KV head) is one contiguous run of
+block_size*head_dim elements, so the task for (sequence, KV head) streams contiguous runs and
+reads every KV byte once for all query heads of its GQA group.
+
+When the extension is not built (HAS_CYTHON_KERNELS is False), or head_dim is not a multiple of
+16 (the kernel's vector width), the functions fall back to plain torch.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from moe_engine._kernels import paged_attention as _ext
+except ImportError:  # not built: torch fallback below
+    _ext = None
+
+HAS_CYTHON_KERNELS: bool = _ext is not None
+HAS_OPENMP: bool = bool(_ext is not None and _ext.OPENMP_ENABLED)
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODES = (
+    {torch.float32: _ext.DTYPE_F32, torch.bfloat16: _ext.DTYPE_BF16, torch.float16: _ext.DTYPE_F16}
+    if _ext is not None else {}
+)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _require(t.dim() == 4, f"{name} must be [num_blocks, n_kv_heads, block_size, head_dim], "
+                               f"got shape {tuple(t.shape)}")
+        _require(t.dtype in _CACHE_DTYPES, f"{name} dtype must be float32, bfloat16 or float16, "
+                                           f"got {t.dtype}")
+        _require(t.device.type == "cpu", f"{name} must be on the CPU, got {t.device}")
+        _require(t.is_contiguous(), f"{name} must be contiguous")
+    _require(key_cache.shape == value_cache.shape and key_cache.dtype == value_cache.dtype,
+             f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
+             f"{tuple(value_cache.shape)} {value_cache.dtype} must match")
+
+
+def _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out) -> None:
+    _check_cache(key_cache, value_cache)
+    _require(query.dim() == 3, f"query must be [num_seqs, n_q_heads, head_dim], got shape "
+                               f"{tuple(query.shape)}")
+    _require(query.dtype in (torch.float32, key_cache.dtype),
+             f"query dtype must be float32 or the cache dtype {key_cache.dtype}, got {query.dtype}")
+    _require(query.device.type == "cpu" and query.is_contiguous(), "query must be a contiguous "
+                                                                   "CPU tensor")
+    num_seqs, n_q, d = query.shape
+    _, n_kv, _, d_cache = key_cache.shape
+    _require(d == d_cache, f"query head_dim {d} != cache head_dim {d_cache}")
+    _require(n_kv > 0 and n_q % n_kv == 0, f"n_q_heads {n_q} must be a multiple of n_kv_heads {n_kv}")
+    _require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+             f"block_tables must be [num_seqs={num_seqs}, max_blocks_per_seq], got "
+             f"{tuple(block_tables.shape)}")
+    _require(context_lens.shape == (num_seqs,), f"context_lens must be [num_seqs={num_seqs}], got "
+                                                f"{tuple(context_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        _require(t.device.type == "cpu" and t.is_contiguous(), f"{name} must be a contiguous "
+                                                               "CPU tensor")
+    if out is not None:
+        _require(out.shape == query.shape and out.dtype == query.dtype,
+                 f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
+        _require(out.device.type == "cpu" and out.is_contiguous(), "out must be a contiguous "
+                                                                   "CPU tensor")
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           out: torch.Tensor | None = None, num_threads: int = 0) -> torch.Tensor:
+    """Attention of one new query token per sequence over its cached keys and values.
+
+    query [num_seqs, n_q_heads, head_dim], fp32 or the cache dtype (the output has the query
+    dtype); key_cache/value_cache one layer, [num_blocks, n_kv_heads, block_size, head_dim];
+    block_tables int32 [num_seqs, max_blocks_per_seq] (entries past a sequence's last block are
+    ignored); context_lens int32 [num_seqs] (a sequence with 0 tokens gets a zero output);
+    scale multiplies q.k (usually head_dim ** -0.5). Query heads h*G..h*G+G-1 share KV head h
+    (G = n_q_heads / n_kv_heads). num_threads 0 uses torch.get_num_threads(). Softmax and
+    accumulation are fp32; the result does not depend on num_threads.
+    """
+    _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out)
+    num_seqs, n_q, d = query.shape
+    if _ext is None or d % _ext.HEAD_DIM_MULTIPLE != 0:
+        return paged_decode_attention_reference(query, key_cache, value_cache, block_tables,
+                                                context_lens, scale, out=out)
+    num_blocks, n_kv, block_size, _ = key_cache.shape
+    q32 = query if query.dtype == torch.float32 else query.float()
+    if out is not None and out.dtype == torch.float32:
+        res = out
+    else:
+        res = torch.empty((num_seqs, n_q, d), dtype=torch.float32)
+    # An explicit count, never OpenMP's default: torch's and the extension's OpenMP runtimes
+    # would otherwise each size their team to the machine and oversubscribe it.
+    threads = num_threads if num_threads > 0 else torch.get_num_threads()
+    _ext.decode_attention(q32.data_ptr(), res.data_ptr(), key_cache.data_ptr(),
+                          value_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+                          num_seqs, n_q, n_kv, d, num_blocks, block_size, block_tables.shape[1],
+                          _DTYPE_CODES[key_cache.dtype], float(scale), threads)
+    if res.dtype == query.dtype:
+        return res
+    if out is None:
+        return res.to(query.dtype)
+    out.copy_(res)
+    return out
+
+
+def paged_decode_attention_reference(query: torch.Tensor, key_cache: torch.Tensor,
+                                     value_cache: torch.Tensor, block_tables: torch.Tensor,
+                                     context_lens: torch.Tensor, scale: float, *,
+                                     out: torch.Tensor | None = None,
+                                     num_threads: int = 0) -> torch.Tensor:
+    """paged_decode_attention in plain torch (same contract; num_threads is ignored).
+
+    Gathers each sequence's blocks into a padded [num_seqs, n_kv, max_ctx, head_dim] fp32 tensor
+    and folds the GQA group into the query length (no repeat of K/V). Memory grows with the
+    longest context; meant as the fallback and as a test oracle, not for speed.
+    """
+    _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out)
+    num_seqs, n_q, d = query.shape
+    _, n_kv, block_size, _ = key_cache.shape
+    ctx = context_lens.long()
+    max_ctx = int(ctx.max()) if num_seqs else 0
+    nb = -(-max_ctx // block_size)
+    result = torch.zeros((num_seqs, n_q, d), dtype=torch.float32)
+    if nb > 0:
+        _require(block_tables.shape[1] >= nb, f"block_tables has {block_tables.shape[1]} columns, "
+                                              f"context needs {nb}")
+        used = torch.arange(nb) * block_size < ctx[:, None]
+        tables = torch.where(used, block_tables[:, :nb].long(), 0)
+        _require(bool(((tables >= 0) & (tables < key_cache.shape[0])).all()),
+                 "block_tables holds a block id outside the cache")
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, n_kv, nb*block_size, d]
+            return cache[tables].float().permute(0, 2, 1, 3, 4).reshape(num_seqs, n_kv, -1, d)
+
+        q = query.float().view(num_seqs, n_kv, n_q // n_kv, d) * scale
+        scores = q @ gather(key_cache).transpose(-1, -2)
+        pad = torch.arange(nb * block_size) >= ctx[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with ctx == 0 are all -inf
+        result = (probs @ gather(value_cache)).view(num_seqs, n_q, d)
+    if out is None:
+        return result.to(query.dtype)
+    out.copy_(result)
+    return out
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new rows key/value [num_tokens, n_kv_heads, head_dim] (any float dtype, converted
+    to the cache dtype with torch's rounding) at slot_mapping int64 [num_tokens], where
+    slot = block * block_size + offset. Negative slots mark padding tokens and are skipped."""
+    _check_cache(key_cache, value_cache)
+    num_blocks, n_kv, block_size, d = key_cache.shape
+    for name, t in (("key", key), ("value", value)):
+        _require(t.dim() == 3 and tuple(t.shape[1:]) == (n_kv, d),
+                 f"{name} must be [num_tokens, {n_kv}, {d}], got {tuple(t.shape)}")
+        _require(t.is_floating_point() and t.device.type == "cpu", f"{name} must be a float CPU "
+                                                                   "tensor")
+    _require(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} "
+                                       "must match")
+    _require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (key.shape[0],),
+             f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} "
+             f"{tuple(slot_mapping.shape)}")
+    _require(slot_mapping.device.type == "cpu" and slot_mapping.is_contiguous(),
+             "slot_mapping must be a contiguous CPU tensor")
+    k = key.to(key_cache.dtype).contiguous()
+    v = value.to(value_cache.dtype).contiguous()
+    if _ext is not None:
+        _ext.write_kv(key_cache.data_ptr(), value_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                      slot_mapping.data_ptr(), k.shape[0], n_kv, d, num_blocks, block_size,
+                      k.element_size())
+        return
+    _require(bool((slot_mapping < num_blocks * block_size).all()), "slot_mapping holds a slot "
+                                                                   "outside the cache")
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, :, offsets, :] = k[keep]
+    value_cache[blocks, :, offsets, :] = v[keep]
