@@ -1,0 +1,276 @@
+"""LLMEngine: requests in, results out, in completion order.
+
+The loop is: top up the waiting queue from the request iterator (rejecting bad requests at once),
+schedule a step, build the packed micro-batch inputs, run the model, sample, and retire finished
+sequences immediately so their KV blocks serve the next admissions.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from moe_engine.attention import DecodeAttention
+from moe_engine.config import EngineConfig
+from moe_engine.kv_cache import BlockAllocator, KVCache, blocks_for_budget
+from moe_engine.model.loader import load_weights, resolve_dtype
+from moe_engine.model.runner import MicroBatchInput, ModelRunner
+from moe_engine.model.spec import load_spec
+from moe_engine.request import Request, RequestResult
+from moe_engine.sampling import SamplingBatch, sample
+from moe_engine.scheduler import ScheduledStep, Scheduler
+from moe_engine.sequence import Sequence
+from moe_engine.stats import EngineStats
+from moe_engine.tokenization import load_tokenizer
+
+LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
+
+
+class LLMEngine:
+    """Offline batch generation for a HF MoE checkpoint on the CPU backend."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
+                 dtype: str = "auto"):
+        backend = getattr(config.backend, "value", config.backend)
+        if backend != "cpu":
+            raise NotImplementedError(f"engine.backend={backend!r}: only the cpu backend exists yet")
+        self.config = config
+        self.threads = config.threads or os.cpu_count() or 1
+        torch.set_num_threads(self.threads)
+        self.spec = load_spec(model_dir)
+        self.dtype = resolve_dtype(dtype, self.spec)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.max_model_len = min(self.spec.max_position_embeddings,
+                                 self.tokenizer.model_max_length)
+        weights = load_weights(model_dir, self.spec, self.dtype)
+        self.weights_bytes = weights.nbytes()
+        num_blocks = blocks_for_budget(self.spec, self.dtype, config.kv_cache_gb, config.block_size)
+        cache = KVCache.allocate(self.spec, num_blocks, config.block_size, self.dtype)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.runner = ModelRunner(self.spec, weights, cache,
+                                  DecodeAttention(config.attention, self.threads),
+                                  self.max_model_len, self.dtype)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) or frozenset(
+            self.spec.eos_token_ids)
+        self.stats = EngineStats()
+        # Tests and profilers may observe each step's logits (sequences in batch order).
+        self.logits_observer: Optional[LogitsObserver] = None
+        self._rng = random.Random()
+
+    @property
+    def attention_impl(self) -> str:
+        return self.runner.attention.name
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[RequestResult]:
+        """Run all requests; yield each result as it completes (rejected ones at once)."""
+        self.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size)
+        self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs,
+                                   self.config.max_prefill_tokens, self.config.num_micro_batches)
+        self.stats = EngineStats(kv_blocks_total=self.allocator.num_blocks,
+                                 kv_block_size=self.allocator.block_size)
+        self.runner.times = type(self.runner.times)()
+        start = time.perf_counter()
+        pending = iter(requests)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(self.scheduler.waiting) < self.config.max_num_seqs:
+                    request = next(pending, None)
+                    if request is None:
+                        exhausted = True
+                        break
+                    self.stats.requests += 1
+                    admitted = self._admit(request)
+                    if isinstance(admitted, RequestResult):
+                        self.stats.rejected += 1
+                        yield admitted
+                    else:
+                        self.scheduler.add(admitted)
+                if not self.scheduler.has_unfinished():
+                    if exhausted:
+                        break
+                    continue
+                yield from self._step(start)
+        finally:
+            self._finish_stats(start)
+
+    def _admit(self, request: Request) -> Sequence | RequestResult:
+        """Validate and tokenize a request: a Sequence to schedule, or a rejection."""
+        rid = request.request_id
+        error = request.sampling.validate()
+        if error:
+            return RequestResult.rejected(rid, error)
+        sources = [s for s in (request.prompt, request.messages, request.prompt_token_ids)
+                   if s is not None]
+        if len(sources) != 1:
+            return RequestResult.rejected(
+                rid, "give exactly one of prompt, messages or prompt_token_ids")
+        try:
+            if request.prompt is not None:
+                ids = self.tokenizer.encode_prompt(request.prompt) if request.prompt else []
+            elif request.messages is not None:
+                ids = self.tokenizer.encode_messages(request.messages) if request.messages else []
+            else:
+                ids = [int(t) for t in request.prompt_token_ids]
+        except Exception as exc:  # a malformed request must not stop the batch
+            return RequestResult.rejected(rid, f"cannot tokenize request: {exc}")
+        if not ids:
+            return RequestResult.rejected(rid, "empty prompt")
+        if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
+            return RequestResult.rejected(rid, f"token id out of range [0, {self.spec.vocab_size})",
+                                          ids)
+        if len(ids) >= self.max_model_len:
+            return RequestResult.rejected(
+                rid, f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
+                     "(prompt plus at least one new token)", ids)
+        worst = min(len(ids) + request.sampling.max_new_tokens, self.max_model_len)
+        if self.allocator.blocks_needed(worst) > self.allocator.num_blocks:
+            return RequestResult.rejected(
+                rid, f"needs {worst} tokens of KV cache; the cache holds "
+                     f"{self.allocator.num_blocks * self.allocator.block_size}", ids)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self._rng.getrandbits(62)
+        return Sequence(rid, ids, request.sampling, seed, self.max_model_len)
+
+    def _step(self, start: float) -> Iterator[RequestResult]:
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            raise RuntimeError("scheduler produced an empty step with work pending "
+                               "(KV cache too small for any waiting sequence)")
+        seqs = step.sequences
+        inputs = [self._prepare(mb) for mb in step.micro_batches]
+        t1 = time.perf_counter()
+        try:
+            logits = self.runner.forward(inputs)
+            t2 = time.perf_counter()
+            if self.logits_observer is not None:
+                self.logits_observer(seqs, logits)
+            tokens = sample(logits, self._sampling_batch(seqs)).tolist()
+        except Exception as exc:  # fail the step's sequences, keep the engine serving
+            for seq in seqs:
+                self.scheduler.finish(seq)
+                self.stats.errors += 1
+                yield self._result(seq, status="error", error=f"{type(exc).__name__}: {exc}")
+            return
+        t3 = time.perf_counter()
+        finished = []
+        for seq, token in zip(seqs, tokens):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(token)
+            if self._check_finished(seq, token):
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        t4 = time.perf_counter()
+        self._record_step(step, len(seqs), t0, t1, t2, t3, t4, start)
+        for seq in finished:
+            yield self._result(seq)
+
+    def _prepare(self, seqs: list[Sequence]) -> MicroBatchInput:
+        """Packed inputs of one micro-batch (prefills first, as the scheduler ordered them)."""
+        bs = self.allocator.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefill_lens: list[int] = []
+        tables: list[list[int]] = []
+        ctx: list[int] = []
+        last: list[int] = []
+        for seq in seqs:
+            table = seq.block_table
+            if seq.is_prefill:
+                n = seq.num_tokens
+                ids.extend(seq.token_ids)
+                positions.extend(range(n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+                prefill_lens.append(n)
+            else:
+                p = seq.num_tokens - 1
+                ids.append(seq.token_ids[-1])
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                tables.append(table)
+                ctx.append(seq.num_tokens)
+            last.append(len(ids) - 1)
+        block_tables = context_lens = None
+        if tables:
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                        dtype=torch.int32)
+            context_lens = torch.tensor(ctx, dtype=torch.int32)
+        return MicroBatchInput(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            prefill_lens=prefill_lens, num_decode=len(tables), block_tables=block_tables,
+            context_lens=context_lens, logits_indices=torch.tensor(last, dtype=torch.int64))
+
+    @staticmethod
+    def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=torch.tensor([s.sampling.temperature for s in seqs], dtype=torch.float32),
+            top_p=torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32),
+            top_k=torch.tensor([s.sampling.top_k for s in seqs], dtype=torch.int64),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
+            positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64))
+
+    def _check_finished(self, seq: Sequence, token: int) -> bool:
+        sp = seq.sampling
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif sp.stop and self._hit_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif seq.num_completion_tokens >= sp.max_new_tokens or seq.num_tokens >= seq.max_total_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.completion_token_ids)
+        cut = min((i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        seq.stop_text = text[:cut]
+        return True
+
+    def _result(self, seq: Sequence, status: str = "ok",
+                error: Optional[str] = None) -> RequestResult:
+        completion = seq.completion_token_ids
+        text = seq.stop_text if seq.stop_text is not None else self.tokenizer.decode(completion)
+        return RequestResult(
+            request_id=seq.request_id, status=status,
+            finish_reason=seq.finish_reason if status == "ok" else None,
+            prompt_token_ids=seq.prompt_token_ids, token_ids=completion, text=text,
+            prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(completion), error=error)
+
+    def _record_step(self, step: ScheduledStep, num_seqs: int, t0: float, t1: float, t2: float,
+                     t3: float, t4: float, start: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.prefill_tokens += step.num_prefill_tokens
+        s.decode_tokens += num_seqs
+        s.decode_step_tokens += step.num_decode_tokens
+        s.sampling_time_s += t3 - t2
+        s.schedule_time_s += (t1 - t0) + (t4 - t3)
+        total = step.num_prefill_tokens + step.num_decode_tokens
+        share = step.num_prefill_tokens / total if total else 0.0
+        s.prefill_time_s += (t4 - t0) * share
+        s.decode_time_s += (t4 - t0) * (1 - share)
+        s.preemptions = self.scheduler.num_preemptions
+        s.kv_blocks_high_water = self.allocator.high_water
+        s.record_step(t4 - start)
+
+    def _finish_stats(self, start: float) -> None:
+        s, times = self.stats, self.runner.times
+        s.wall_time_s = time.perf_counter() - start
+        s.attention_time_s = times.attention_s
+        s.ffn_time_s = times.ffn_s
+        s.dense_time_s = times.dense_s
+        s.head_time_s = times.head_s
+        s.kv_blocks_high_water = self.allocator.high_water
+        s.close_timeline(s.wall_time_s)
+        if getattr(self, "scheduler", None) is not None:
+            s.preemptions = self.scheduler.num_preemptions

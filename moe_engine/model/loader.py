@@ -1,0 +1,100 @@
+"""Load a HF MoE checkpoint (one or sharded safetensors) into ModelWeights."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moe_engine.model.arch import NameTable
+from moe_engine.model.spec import ModelSpec
+from moe_engine.model.weights import DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, spec: ModelSpec) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype from config.json."""
+    name = spec.torch_dtype if dtype in ("auto", None) else dtype
+    name = str(name).replace("torch.", "")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: from the shard index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    return files
+
+
+def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype) -> ModelWeights:
+    """Read every tensor through the architecture's name table, cast to `dtype`, fuse projections."""
+    model_dir = Path(model_dir)
+    table = NameTable(spec.architecture)
+    glob: dict[str, torch.Tensor] = {}
+    layer: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    expert: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                m = table.match(name)
+                if m is None:
+                    continue
+                t = f.get_tensor(name).to(dtype)
+                if m.scope == "global":
+                    glob[m.slot] = t
+                elif m.scope == "layer":
+                    layer[m.layer][m.slot] = t
+                elif m.scope == "expert":
+                    expert[(m.layer, m.expert)][m.slot] = t
+                else:
+                    _split_fused(m.slot, t, m.layer, expert)
+
+    if "embed" not in glob:
+        raise ValueError(f"{model_dir}: no embedding tensor found")
+    lm_head = glob.get("lm_head")
+    if lm_head is None:
+        if not spec.tie_word_embeddings:
+            raise ValueError(f"{model_dir}: no lm_head and embeddings are not tied")
+        lm_head = glob["embed"]
+    layers = []
+    for i in range(spec.num_layers):
+        d = layer[i]
+        missing = {"input_norm", "post_norm", "q", "k", "v", "o", "router"} - d.keys()
+        if missing:
+            raise ValueError(f"{model_dir}: layer {i} lacks {sorted(missing)}")
+        dense = DenseLayerWeights(
+            input_norm=d["input_norm"], post_norm=d["post_norm"],
+            wqkv=torch.cat([d["q"], d["k"], d["v"]], dim=0).contiguous(),
+            wo=d["o"].contiguous(), router=d["router"].contiguous())
+        experts = []
+        for e in range(spec.num_experts):
+            x = expert.get((i, e), {})
+            if not {"w1", "w2", "w3"} <= x.keys():
+                raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete")
+            experts.append(ExpertWeights(
+                w13=torch.cat([x["w1"], x["w3"]], dim=0).contiguous(), w2=x["w2"].contiguous()))
+        layers.append(LayerWeights(dense, experts))
+    return ModelWeights(embed=glob["embed"], final_norm=glob["final_norm"], lm_head=lm_head,
+                        layers=layers)
+
+
+def _split_fused(slot: str, t: torch.Tensor, layer: int,
+                 expert: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
+    # transformers 5 layout: gate_up [E, 2I, H] = cat(w1, w3) on dim 1; down [E, H, I].
+    for e in range(t.shape[0]):
+        if slot == "gate_up":
+            w1, w3 = t[e].chunk(2, dim=0)
+            expert[(layer, e)]["w1"] = w1.clone()
+            expert[(layer, e)]["w3"] = w3.clone()
+        else:
+            expert[(layer, e)]["w2"] = t[e].clone()

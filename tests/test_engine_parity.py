@@ -1,0 +1,175 @@
+"""Token and logit parity with transformers on the built-in tiny checkpoint (fp32)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_engine.config import EngineConfig
+from moe_engine.engine import LLMEngine
+from moe_engine.kv_cache import kv_bytes_per_token
+from moe_engine.model import load_spec, load_weights
+from moe_engine.request import Request, SamplingParams
+
+NEW_TOKENS = 12
+PROMPTS = [
+    "Explain how a mixture of experts layer routes tokens.",
+    "hi",
+    "Write a short story about a cat who learns to fly over the city at night, "
+    "with a twist ending that nobody expects and a moral about patience.",
+    "What is 2 + 2?",
+    "List three uses of a paged key value cache in batch inference systems.",
+    "Translate to French: the weather is nice today",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "Why is the sky blue?",
+    "Summarize the history of the printing press in two sentences, focusing on its impact "
+    "on science, religion and politics in early modern Europe.",
+    "Q",
+    "Describe bandwidth-bound versus compute-bound kernels.",
+    "Give me a recipe for pancakes.",
+    "How do I reverse a linked list in Python? Show the code and explain each step.",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_mixtral_dir):
+    from transformers import MixtralForCausalLM
+
+    return MixtralForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_mixtral_dir):
+    return LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
+                                                    num_micro_batches=2), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, engine):
+    """Greedy tokens and per-step logits of transformers' generate, one prompt at a time."""
+    refs = {}
+    for i, prompt in enumerate(PROMPTS):
+        ids = engine.tokenizer.encode_prompt(prompt)
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, len(ids):].tolist()
+        refs[str(i)] = (ids, tokens, [lg[0].float() for lg in out.logits])
+    return refs
+
+
+def _requests(indices, **sampling):
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, **sampling)
+    return [Request(str(i), prompt=PROMPTS[i], sampling=sp) for i in indices]
+
+
+def _run(engine, requests):
+    results = {r.request_id: r for r in engine.generate(requests)}
+    assert all(r.status == "ok" for r in results.values()), results
+    return results
+
+
+def test_greedy_tokens_and_step_logits_match_transformers(engine, hf_reference):
+    captured: dict[str, list[torch.Tensor]] = {}
+
+    def observe(seqs, logits):
+        for seq, row in zip(seqs, logits):
+            captured.setdefault(seq.request_id, []).append(row.clone())
+
+    engine.logits_observer = observe
+    try:
+        results = _run(engine, _requests(range(len(PROMPTS))))
+    finally:
+        engine.logits_observer = None
+    assert len(results) == len(PROMPTS) >= 12
+    assert len({len(ids) for ids, _, _ in hf_reference.values()}) >= 8  # varied lengths
+    for rid, (ids, tokens, logits) in hf_reference.items():
+        assert results[rid].prompt_token_ids == ids
+        assert results[rid].token_ids == tokens, rid
+        assert len(captured[rid]) == len(logits)
+        for step, (mine, ref) in enumerate(zip(captured[rid], logits)):
+            diff = (mine - ref).abs().max().item()
+            assert diff <= 1e-4, f"request {rid} step {step}: max |logit diff| {diff}"
+
+
+def test_same_tokens_alone_and_in_another_batch(engine, hf_reference):
+    alone = _run(engine, _requests([2]))
+    other = _run(engine, _requests([2, 5, 9, 0, 11]))
+    assert alone["2"].token_ids == other["2"].token_ids == hf_reference["2"][1]
+    assert other["9"].token_ids == hf_reference["9"][1]
+
+
+def test_same_tokens_when_kv_budget_forces_preemption(tiny_mixtral_dir, hf_reference):
+    spec = load_spec(tiny_mixtral_dir)
+    block_size = 4
+    longest = max(len(ids) for ids, _, _ in hf_reference.values()) + NEW_TOKENS
+    num_blocks = (longest + block_size - 1) // block_size + 6  # room for ~2 sequences
+    budget = num_blocks * block_size * kv_bytes_per_token(spec, torch.float32) / 2**30
+    small = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=budget,
+                                                     block_size=block_size), dtype="float32")
+    assert small.allocator.num_blocks == num_blocks
+    results = _run(small, _requests(range(len(PROMPTS))))
+    assert small.stats.preemptions > 0
+    assert small.stats.kv_blocks_high_water <= num_blocks
+    for rid, (_, tokens, _) in hf_reference.items():
+        assert results[rid].token_ids == tokens, rid
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    params = dict(temperature=0.9, top_p=0.95, top_k=50)
+    reqs = [Request(str(i), prompt=PROMPTS[i], sampling=SamplingParams(
+        max_new_tokens=NEW_TOKENS, seed=100 + i, **params)) for i in range(6)]
+    first = _run(engine, reqs)
+    second = _run(engine, reqs)
+    alone = _run(engine, [reqs[3]])
+    assert {k: v.token_ids for k, v in first.items()} == {k: v.token_ids for k, v in second.items()}
+    assert alone["3"].token_ids == first["3"].token_ids
+    reseeded = _run(engine, [Request("3", prompt=PROMPTS[3], sampling=SamplingParams(
+        max_new_tokens=NEW_TOKENS, seed=999, **params))])
+    assert reseeded["3"].token_ids != first["3"].token_ids
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_mixtral_dir, tiny_mixtral_sharded_dir):
+    spec = load_spec(tiny_mixtral_dir)
+    a = load_weights(tiny_mixtral_dir, spec, torch.float32)
+    b = load_weights(tiny_mixtral_sharded_dir, spec, torch.float32)
+    assert len(list(Path(tiny_mixtral_sharded_dir).glob("*.safetensors"))) == 2
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.dense.wqkv, lb.dense.wqkv)
+        assert all(torch.equal(x.w13, y.w13) and torch.equal(x.w2, y.w2)
+                   for x, y in zip(la.experts, lb.experts))
+
+
+def test_fused_expert_layout_of_transformers5_loads_the_same(tiny_mixtral_dir, tmp_path):
+    """Checkpoints saved with the in-memory names (mlp.experts.gate_up_proj) load identically."""
+    src = Path(tiny_mixtral_dir)
+    state = load_file(str(src / "model.safetensors"))
+    spec = load_spec(src)
+    fused = {}
+    for name, t in state.items():
+        if ".block_sparse_moe.experts." in name:
+            continue
+        fused[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}.block_sparse_moe.experts"
+        w1 = [state[f"{p}.{e}.w1.weight"] for e in range(spec.num_experts)]
+        w3 = [state[f"{p}.{e}.w3.weight"] for e in range(spec.num_experts)]
+        w2 = [state[f"{p}.{e}.w2.weight"] for e in range(spec.num_experts)]
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat(
+            [torch.stack(w1), torch.stack(w3)], dim=1)
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(w2)
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    a = load_weights(src, spec, torch.float32)
+    b = load_weights(tmp_path, spec, torch.float32)
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.dense.router, lb.dense.router)
+        assert all(torch.equal(x.w13, y.w13) and torch.equal(x.w2, y.w2)
+                   for x, y in zip(la.experts, lb.experts))
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mixtral"
+
