@@ -1,0 +1,133 @@
+"""HardwareSpec from the Hydra hardware group, from a profiled YAML, or from the profile cache.
+
+A profile YAML carries the same figures as a hardware group file (GB, GB/s, TFLOP/s) plus what
+only measurement gives: GEMM times per shape and token count, the decode-attention kernel's KV
+streaming rate and the per-operator launch overhead. It is not a Hydra group file (it has keys
+the schema does not know); `hardware.profile` points at it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .specs import GB, TFLOPS, GemmPoint, HardwareSpec, ModelSpec
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
+
+
+def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
+    """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
+    keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us) are read when present."""
+    device = fig.get("device", "cpu")
+    device = getattr(device, "value", device)
+    return HardwareSpec(
+        name=str(fig.get("name", "unnamed")), device_kind=str(device),
+        device_memory=float(fig["device_memory_gb"]) * GB, host_memory=float(fig["host_memory_gb"]) * GB,
+        link_bw=float(fig["link_gbps"]) * GB, device_bw=float(fig["device_bw_gbps"]) * GB,
+        cpu_bw=float(fig["cpu_bw_gbps"]) * GB, device_flops=float(fig["device_tflops"]) * TFLOPS,
+        cpu_flops=float(fig["cpu_tflops"]) * TFLOPS, cpu_cores=int(fig.get("cpu_cores", 1)),
+        gemm_points=_points(fig.get("gemm") or ()), cpu_gemm_points=_points(fig.get("cpu_gemm") or ()),
+        cpu_attention_bw=float(fig["cpu_attention_gbps"]) * GB if fig.get("cpu_attention_gbps") else None,
+        op_overhead_s=float(fig.get("op_overhead_us", 0.0)) * 1e-6,
+        notes=str(fig.get("attention_kernel", "")),
+    )
+
+
+def _points(rows) -> tuple[GemmPoint, ...]:
+    return tuple(GemmPoint(int(r["inp"]), int(r["out"]), int(r["tokens"]), int(r["dtype_bytes"]),
+                           float(r["gflops"]) * 1e9) for r in rows)
+
+
+def load_preset(name: str, preset_dir: Path | str = PRESET_DIR) -> HardwareSpec:
+    """A datasheet preset from config/hardware/<name>.yaml (t4, l4, a40, l40, a100, h100, h200, cpu)."""
+    path = Path(preset_dir) / f"{name}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in Path(preset_dir).glob("*.yaml"))
+        raise FileNotFoundError(f"no hardware preset {name!r}; known: {known}")
+    data = yaml.safe_load(path.read_text())
+    data.pop("defaults", None)
+    return spec_from_figures(data)
+
+
+def load_profile(path: Path | str) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or "device_tflops" not in data:
+        raise ValueError(f"{path} is not a hardware profile (no device_tflops)")
+    return data
+
+
+def machine_fingerprint() -> str:
+    """Short hash of what decides the measured rates: CPU model, usable cores, memory size,
+    torch version, accelerator name and whether the Cython attention kernel is built."""
+    cpu_model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    mem_gb = round(total_memory_bytes() / GB)
+    parts = [cpu_model, str(cores), str(mem_gb), platform.machine()]
+    try:
+        import torch
+
+        parts.append(torch.__version__)
+        parts.append(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-cuda")
+    except Exception:  # torch missing or CUDA query failing: the CPU identity still counts
+        parts.append("no-torch")
+    try:
+        from moe_engine.kernels import HAS_CYTHON_KERNELS
+
+        parts.append(f"cython={HAS_CYTHON_KERNELS}")
+    except Exception:
+        parts.append("cython=unknown")
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def total_memory_bytes() -> float:
+    """Physical memory of this machine in bytes."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def cached_profile_path(cache_dir: Path | str) -> Path:
+    return Path(cache_dir) / f"{machine_fingerprint()}.yaml"
+
+
+def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None = None) -> HardwareSpec:
+    """HardwareSpec for a HardwareConfig (the `hardware` group of the Hydra config).
+
+    profile None: the config's figures. profile "auto": the profile cached under
+    cache_dir/<machine fingerprint>.yaml, measured now if missing (or, given `model`, if it lacks
+    that model's GEMM shapes, which are then measured and added). Any other value: a path to a
+    profile YAML. Profiled figures replace the config's; capacities the profile did not measure
+    (device memory on a CUDA machine is measured, host memory always) come from the profile too.
+    """
+    figures = {k: getattr(hw, k) for k in ("name", "device", "device_memory_gb", "host_memory_gb", "link_gbps",
+                                           "device_bw_gbps", "cpu_bw_gbps", "device_tflops", "cpu_tflops",
+                                           "cpu_cores")}
+    figures["device"] = getattr(figures["device"], "value", figures["device"])
+    profile = getattr(hw, "profile", None)
+    if profile is None:
+        return spec_from_figures(figures)
+    if profile == "auto":
+        from .profile import ensure_profile
+
+        data = ensure_profile(cached_profile_path(cache_dir), model=model)
+    else:
+        data = load_profile(profile)
+    merged = dict(figures)
+    merged.update(data)
+    return spec_from_figures(merged)

@@ -1,0 +1,302 @@
+"""Per-layer decode latency, prefill latency, memory use and predicted throughput of one policy.
+
+Lightning eqs. 12-14: a decode step's layer takes T = max(T_io, T_cpu, T_gpu) because CGOPipe
+overlaps the link, the CPU and the accelerator. On the CPU backend the "accelerator" and the CPU
+are the same cores, so their times add, and resident weights need no link.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .roofline import (ATTN_OPS, HEAD_OPS, PREFILL_OPS_PER_SEQ, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
+                       device_processor, expert_ffn_time, o_proj_router_time, pre_attention_time,
+                       prefill_attention_flops)
+from .specs import HardwareSpec, ModelSpec, WorkloadSpec, blocks_for
+
+# Slack factors (docs/perf_model.md explains them).
+# Device: the CUDA context, cuBLAS workspaces and the caching allocator's fragmentation take about
+# 1 GB plus ~10% of what the tensors need; 0.9*M - 1 GB is 0.86*M on a 24 GB L4.
+DEVICE_MEMORY_FRACTION = 0.90
+DEVICE_RESERVED_BYTES = 1.0e9
+# Host: the OS, the Python process (tokenizer, torch, Arrow buffers of the shard) and pinned-page
+# rounding; Lightning's and FlexGen's policies leave ~20% of DRAM free.
+HOST_MEMORY_FRACTION = 0.80
+HOST_RESERVED_BYTES = 0.0
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PREFILL_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Lightning's 6-tuple (N, mu, A_g, F_g, r_w, r_c) plus the KV cache it implies."""
+
+    batch_size: int
+    micro_batch_size: int
+    attention_on_device: bool
+    ffn_on_device: bool
+    resident_ratio: float
+    kv_device_ratio: float = 0.0
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    @property
+    def num_micro_batches(self) -> int:
+        return max(1, math.ceil(self.batch_size / self.micro_batch_size))
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds one decode step spends on each resource (summed over layers) and in total."""
+
+    t_io: float
+    t_cpu: float
+    t_gpu: float
+    t_head: float
+    total: float
+
+    @property
+    def bottleneck(self) -> str:
+        named = {"link": self.t_io, "cpu": self.t_cpu, "device": self.t_gpu}
+        return max(named, key=named.get)
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    device_bytes: float
+    host_bytes: float
+    device_budget: float
+    host_budget: float
+    kv_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        # A relative epsilon: r_w solved in closed form lands exactly on the budget.
+        eps = 1e-9
+        return (self.device_bytes <= self.device_budget * (1 + eps)
+                and self.host_bytes <= self.host_budget * (1 + eps))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted generation throughput of one policy on one workload."""
+
+    policy: Policy
+    throughput_tok_s: float
+    step: StepTimes
+    prefill_s: float
+    decode_s: float
+    memory: MemoryUse
+    effective_batch: int
+
+
+def is_cpu_backend(hw: HardwareSpec, backend: str) -> bool:
+    return backend == "cpu" or hw.is_cpu_only
+
+
+def device_budget(hw: HardwareSpec, cpu_backend: bool) -> float:
+    """Bytes the policy may place on the accelerator."""
+    if cpu_backend:
+        return host_budget(hw)
+    return max(0.0, DEVICE_MEMORY_FRACTION * hw.device_memory - DEVICE_RESERVED_BYTES)
+
+
+def host_budget(hw: HardwareSpec) -> float:
+    return HOST_MEMORY_FRACTION * hw.host_memory - HOST_RESERVED_BYTES
+
+
+def kv_bytes(m: ModelSpec, wl: WorkloadSpec, num_seqs: int, block_size: int) -> float:
+    """Paged KV of `num_seqs` sequences at their final length (mean prompt + generation), whole
+    blocks, plus one spare block each so the last token never waits for an allocation."""
+    blocks = blocks_for(wl.mean_seq_len, block_size) + 1
+    return num_seqs * blocks * block_size * m.kv_bytes_per_token
+
+
+def device_weight_bytes(m: ModelSpec, ffn_on_device: bool) -> tuple[float, float]:
+    """(all layers, largest layer) bytes of the weights the accelerator needs: the dense part
+    always, the experts only when the FFN runs there."""
+    moe = m.moe_layer_bytes if ffn_on_device else m.dense_params_per_layer * m.dtype_bytes
+    dense = m.dense_layer_bytes
+    total = m.num_moe_layers * moe + m.num_dense_layers * dense
+    return total, max(moe if m.num_moe_layers else 0, dense if m.num_dense_layers else 0)
+
+
+def activation_bytes(m: ModelSpec, tokens: float, seqs: float) -> float:
+    """Peak live activations of one layer for `tokens` tokens of `seqs` sequences: residual,
+    normed input, q/k/v, attention output, the experts' gate/up intermediates of every routed
+    copy, fp32 router logits, and fp32 LM-head logits of each sequence's last token."""
+    b = m.dtype_bytes
+    per_token = (4 * m.hidden_size + m.qkv_out_features) * b
+    per_token += m.top_k * 2 * m.expert_intermediate * b + 2 * m.shared_intermediate * b
+    per_token += 4 * m.num_experts
+    return tokens * per_token + seqs * 4 * m.vocab_size
+
+
+def peak_activation_bytes(m: ModelSpec, wl: WorkloadSpec, policy: Policy) -> float:
+    """The larger of a decode micro-batch and a prefill pass of `policy.prefill_tokens`."""
+    decode = activation_bytes(m, policy.micro_batch_size, policy.micro_batch_size)
+    pf_tokens = min(policy.prefill_tokens, policy.batch_size * max(1.0, wl.mean_prompt))
+    prefill = activation_bytes(m, pf_tokens, pf_tokens / max(1.0, wl.mean_prompt))
+    return max(decode, prefill)
+
+
+def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> MemoryUse:
+    """Device and host bytes a policy needs (the constraints of the search)."""
+    n = policy.batch_size
+    kv = kv_bytes(m, wl, n, policy.block_size)
+    act = peak_activation_bytes(m, wl, policy)
+    if cpu_backend:
+        # One pool: every weight, the whole KV cache and the activations live in host memory.
+        used = m.total_bytes + kv + act
+        budget = host_budget(hw)
+        return MemoryUse(used, used, budget, budget, kv)
+    w_total, w_layer = device_weight_bytes(m, policy.ffn_on_device)
+    streamed_layer = (1.0 - policy.resident_ratio) * w_layer
+    kv_dev = policy.kv_device_ratio * kv if policy.attention_on_device else 0.0
+    device = (policy.resident_ratio * w_total + 2.0 * streamed_layer + act + kv_dev
+              + m.embedding_bytes / 2)  # the LM head stays on the device
+    host_weights = (1.0 - policy.resident_ratio) * w_total
+    if not policy.ffn_on_device:
+        host_weights += m.num_moe_layers * m.experts_params_per_layer * m.dtype_bytes
+    pinned = 2.0 * streamed_layer  # staging pages for the next layer
+    host = host_weights + (kv - kv_dev) + pinned + m.embedding_bytes / 2
+    return MemoryUse(device, host, device_budget(hw, False), host_budget(hw), kv)
+
+
+def _procs(hw: HardwareSpec, cpu_backend: bool) -> tuple[Processor, Processor]:
+    cpu = cpu_processor(hw)
+    return (cpu if cpu_backend else device_processor(hw)), cpu
+
+
+def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
+                       cpu_backend: bool, moe_layer: bool = True) -> tuple[float, float, float]:
+    """(T_io, T_cpu, T_gpu) of one layer for a decode step of `n_tokens` sequences at mean context
+    `ctx`, split into micro-batches of mu (Lightning eqs. 13-14, with QKV/O/router included)."""
+    dev, cpu = _procs(hw, cpu_backend)
+    mu = policy.micro_batch_size
+    full, rest = divmod(n_tokens, mu)
+    sizes = [(mu, full)] + ([(rest, 1)] if rest else [])
+    t_gpu = t_cpu = 0.0
+    t_link_in = t_link_out = 0.0
+    b = m.dtype_bytes
+    for size, count in sizes:
+        if count == 0:
+            continue
+        g = pre_attention_time(m, dev, size) + o_proj_router_time(m, dev, size)
+        c = 0.0
+        if moe_layer:
+            ffn = expert_ffn_time(m, dev if policy.ffn_on_device else cpu, size)
+        else:
+            ffn = dense_mlp_time(m, dev, size)
+        if policy.ffn_on_device or not moe_layer:
+            g += ffn
+        else:
+            c += ffn
+            t_link_out += count * size * m.hidden_size * b
+            t_link_in += count * size * m.hidden_size * b
+        if policy.attention_on_device and not cpu_backend:
+            g += device_attention_time(m, hw, size, ctx, policy.kv_device_ratio)
+            t_link_in += count * (1.0 - policy.kv_device_ratio) * size * ctx * m.kv_bytes_per_token_layer
+        else:
+            c += cpu_attention_time(m, hw, size, ctx)
+            t_link_out += count * size * m.qkv_out_features * b  # q/k/v to the host
+            t_link_in += count * size * m.num_heads * m.v_head_dim * b  # attention output back
+        t_gpu += count * g
+        t_cpu += count * c
+    if cpu_backend:
+        return 0.0, t_cpu, t_gpu
+    w_layer = m.moe_layer_bytes if moe_layer else m.dense_layer_bytes
+    if moe_layer and not policy.ffn_on_device:
+        w_layer = m.dense_params_per_layer * m.dtype_bytes
+    t_link_in += (1.0 - policy.resident_ratio) * w_layer
+    # Opposite directions of the link run concurrently (Lightning 4.1).
+    return max(t_link_in, t_link_out) / hw.link_bw, t_cpu, t_gpu
+
+
+def head_time(m: ModelSpec, hw: HardwareSpec, n_tokens: int, cpu_backend: bool) -> float:
+    """Final norm, LM head GEMM and sampling of one step, on the device."""
+    dev, _ = _procs(hw, cpu_backend)
+    return dev.gemm(n_tokens, m.hidden_size, m.vocab_size, m.dtype_bytes) + HEAD_OPS * dev.op_overhead_s
+
+
+def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
+                      cpu_backend: bool) -> StepTimes:
+    """One decode step over all layers: per layer max(T_io, T_cpu, T_gpu) on a GPU machine
+    (the three overlap), T_cpu + T_gpu on the CPU backend (the same cores do both)."""
+    totals = [0.0, 0.0, 0.0]
+    step = 0.0
+    for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
+        if count == 0:
+            continue
+        io, c, g = layer_decode_times(m, hw, policy, n_tokens, ctx, cpu_backend, moe)
+        totals = [totals[0] + count * io, totals[1] + count * c, totals[2] + count * g]
+        step += count * ((c + g) if cpu_backend else max(io, c, g))
+    head = head_time(m, hw, n_tokens, cpu_backend)
+    return StepTimes(totals[0], totals[1], totals[2], head, step + head)
+
+
+def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,
+                 cpu_backend: bool) -> float:
+    """Prefill of `n_seqs` prompts, all on the device (Lightning section 4), in passes of
+    `policy.prefill_tokens` tokens: each pass streams the non-resident weights once per layer
+    (overlapped with compute) and writes the new K/V back to the host."""
+    dev, _ = _procs(hw, cpu_backend)
+    total_tokens = n_seqs * wl.mean_prompt
+    if total_tokens <= 0:
+        return 0.0
+    passes = max(1, math.ceil(total_tokens / policy.prefill_tokens))
+    chunk = total_tokens / passes
+    compute = 0.0
+    for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
+        if count == 0:
+            continue
+        per_pass = pre_attention_time(m, dev, chunk) + o_proj_router_time(m, dev, chunk)
+        per_pass += expert_ffn_time(m, dev, chunk) if moe else dense_mlp_time(m, dev, chunk)
+        attn_flops = prefill_attention_flops(m, wl.sum_prompt_sq) * (chunk / max(1.0, wl.mean_prompt))
+        per_pass += attn_flops / dev.flops
+        per_pass += (ATTN_OPS + PREFILL_OPS_PER_SEQ * chunk / max(1.0, wl.mean_prompt)) * dev.op_overhead_s
+        layer_compute = passes * per_pass
+        if not cpu_backend:
+            w_layer = m.moe_layer_bytes if moe else m.dense_layer_bytes
+            io_in = passes * (1.0 - policy.resident_ratio) * w_layer / hw.link_bw
+            io_out = total_tokens * m.kv_bytes_per_token_layer * (1.0 - policy.kv_device_ratio) / hw.link_bw
+            layer_compute = max(layer_compute, io_in, io_out)
+        compute += count * layer_compute
+    return compute + passes * head_time(m, hw, int(math.ceil(chunk / max(1.0, wl.mean_prompt))), cpu_backend)
+
+
+def _decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,
+                 cpu_backend: bool) -> tuple[float, StepTimes]:
+    """Seconds for the g-1 decode steps of `n_seqs` sequences (prefill yields the first token)
+    whose context grows from p+1 to p+g-1; Simpson's rule over the context (a step's time is
+    piecewise linear in it). Returns the time and the middle step's breakdown."""
+    p, g = wl.mean_prompt, wl.gen_len
+    steps = g - 1
+    ctxs = (p + 1.0, p + 1.0 + max(0, steps - 1) / 2.0, p + max(1.0, float(steps)))
+    ends = [decode_step_times(m, hw, policy, n_seqs, c, cpu_backend) for c in ctxs]
+    mean_step = (ends[0].total + 4 * ends[1].total + ends[2].total) / 6.0
+    return steps * mean_step, ends[1]
+
+
+def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> Prediction:
+    """Generation throughput (generated tokens / (prefill + decode time), Lightning 5.1) of a
+    policy. With a bounded request count K the batch runs in ceil(K/N) waves of at most N."""
+    mem = memory_use(m, hw, wl, policy, cpu_backend)
+    n = policy.batch_size
+    k = wl.num_requests
+    waves = [(n, k // n), (k % n, 1)] if k else [(n, 1)]
+    total_time = prefill = decode = 0.0
+    tokens = 0
+    mid_step = None
+    for size, count in waves:
+        if size == 0 or count == 0:
+            continue
+        pf = prefill_time(m, hw, policy, wl, size, cpu_backend)
+        dc, step = _decode_time(m, hw, policy, wl, size, cpu_backend)
+        prefill += count * pf
+        decode += count * dc
+        tokens += count * size * wl.gen_len
+        mid_step = mid_step or step
+    total_time = prefill + decode
+    eff = min(n, k) if k else n
+    return Prediction(policy, tokens / total_time if total_time > 0 else 0.0, mid_step, prefill, decode, mem, eff)

@@ -1,0 +1,348 @@
+"""Hardware profiler: measures this machine and writes a profile YAML the policy search reads.
+
+Measured: GEMM time for the model's own weight shapes at several token counts (the roofline with
+peak figures is 2-4x off for skinny decode GEMMs on a CPU), the decode-attention kernel's KV
+streaming rate (the issue-3 Cython kernel when built, else the torch fallback; the YAML says
+which), memory read and copy bandwidth, the launch overhead of a small operator, and on CUDA the
+pinned host-to-device bandwidth and device GEMM rates. The VM is noisy, so each figure is the
+median of several timed batches.
+
+    python -m moe_engine.perf.profile --out resources/hardware/this.yaml [--model small-mixtral] [--fast]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .hardware import total_memory_bytes, load_profile, machine_fingerprint
+from .specs import GB, ModelSpec
+
+FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+FAST_TOKENS = (1, 8, 64, 256)
+
+
+def _median_time(fn: Callable[[], Any], min_batch_s: float, trials: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds per call: calls are batched until a batch lasts min_batch_s, `trials` batches."""
+    fn()
+    sync()
+    reps = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= min_batch_s or reps >= 1 << 16:
+            break
+        reps = max(reps * 2, int(reps * min_batch_s / max(dt, 1e-9)))
+    times = [dt / reps]
+    for _ in range(trials - 1):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every weight matrix a decode step multiplies by (gate and
+    up projections fused into one h -> 2*h_i GEMM, as the engine stores them)."""
+    shapes = [(m.hidden_size, m.qkv_out_features), (m.num_heads * m.v_head_dim, m.hidden_size),
+              (m.hidden_size, m.num_experts), (m.hidden_size, 2 * m.expert_intermediate),
+              (m.expert_intermediate, m.hidden_size), (m.hidden_size, m.vocab_size)]
+    if m.shared_intermediate:
+        shapes += [(m.hidden_size, 2 * m.shared_intermediate), (m.shared_intermediate, m.hidden_size)]
+    if m.num_dense_layers and m.dense_intermediate:
+        shapes += [(m.hidden_size, 2 * m.dense_intermediate), (m.dense_intermediate, m.hidden_size)]
+    return list(dict.fromkeys(shapes))
+
+
+def _torch_dtype(dtype_bytes: int):
+    import torch
+
+    return torch.float32 if dtype_bytes == 4 else torch.bfloat16
+
+
+def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[int, ...], fast: bool,
+                  device: str = "cpu") -> list[dict[str, Any]]:
+    """Achieved GFLOP/s of F.linear per (shape, token count) in the model's dtype. Token counts
+    stop growing for a shape once one call takes over 0.25 s (the time model extrapolates the
+    affine tail), which keeps LM-head-sized shapes from eating the time budget."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = _torch_dtype(dtype_bytes) if device == "cpu" else torch.float16 if dtype_bytes == 2 else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    llc = last_level_cache_bytes() if device == "cpu" else 0
+    for inp, out in shapes:
+        # Rotate through enough copies of the weight that each call reads it from DRAM, as the
+        # engine does (its layers' weights together exceed the cache); one hot copy would
+        # measure the cache instead and flatter small-token GEMMs.
+        wbytes = inp * out * dtype_bytes
+        copies = max(1, min(256, math.ceil(2 * llc / wbytes), int(1.5e9 // wbytes)))
+        base = torch.randn(out, inp, dtype=dt, device=device) * 0.02
+        ws = [base] + [base.clone() for _ in range(copies - 1)]
+        turn = [0]
+
+        def call() -> None:
+            turn[0] = (turn[0] + 1) % copies
+            F.linear(x, ws[turn[0]])
+
+        for n in tokens:
+            x = torch.randn(n, inp, dtype=dt, device=device)
+            sec = _median_time(call, 0.01 if fast else 0.04, 3 if fast else 5, sync)
+            rows.append({"inp": inp, "out": out, "tokens": n, "dtype_bytes": dtype_bytes,
+                         "gflops": round(2.0 * n * inp * out / sec / 1e9, 3)})
+            if sec > 0.25:
+                break
+        del ws
+    return rows
+
+
+def last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), 32 MiB when unknown."""
+    best = 0
+    for size_file in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size_file.read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 32 << 20
+
+
+def measure_read_bandwidth(nbytes: int) -> float:
+    """Bytes/s of a streaming reduction over an fp32 buffer far larger than the caches."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    sec = _median_time(lambda: x.sum(), 0.05, 5)
+    return nbytes / sec
+
+
+def measure_copy_bandwidth(nbytes: int) -> float:
+    """Bytes/s moved by a host-to-host copy (what paging a weight 'to the device' costs on CPU)."""
+    import torch
+
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    sec = _median_time(lambda: dst.copy_(src), 0.05, 5)
+    return nbytes / sec
+
+
+def measure_op_overhead(hidden: int = 1024, dtype_bytes: int = 4) -> float:
+    """Seconds per small element-wise op: an fp32 RMSNorm over 16 tokens of the model's width
+    (8 ops: cast, square, mean, add, rsqrt, multiply, cast back, scale) divided by 8. This is
+    the dispatch-dominated cost every norm/RoPE/top-k/gather op pays in a decode step."""
+    import torch
+
+    x = torch.randn(16, hidden, dtype=_torch_dtype(dtype_bytes))
+    w = torch.ones(hidden, dtype=x.dtype)
+
+    def norm() -> None:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+        w * xf.to(x.dtype)
+
+    return _median_time(norm, 0.02, 5) / 8
+
+
+def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
+    """KV bytes/s the CPU decode-attention kernel streams, for the model's head layout, over a
+    cache larger than the last-level cache. Returns (rate, kernel name)."""
+    import torch
+
+    from moe_engine import kernels
+
+    dt = _torch_dtype(m.dtype_bytes)
+    block, ctx = 16, 256 if fast else 512
+    per_seq = ctx * m.kv_bytes_per_token_layer
+    # K+V of one layer larger than the last-level cache: the engine's cache is, across layers.
+    target = max(64 << 20, (1 if fast else 2) * last_level_cache_bytes())
+    seqs = max(8, math.ceil(target / per_seq))
+    blocks_per_seq = ctx // block
+    nblocks = seqs * blocks_per_seq
+    d_k = m.head_dim if m.head_dim == m.v_head_dim else max(m.head_dim, m.v_head_dim)
+    key = torch.empty(nblocks, m.num_kv_heads, block, d_k, dtype=dt).uniform_(-1, 1)
+    value = torch.empty(nblocks, m.num_kv_heads, block, d_k, dtype=dt).uniform_(-1, 1)
+    q = torch.randn(seqs, m.num_heads, d_k, dtype=dt)
+    tables = torch.arange(nblocks, dtype=torch.int32).view(seqs, blocks_per_seq)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    out = torch.empty(seqs, m.num_heads, d_k, dtype=dt)
+    uses_cython = kernels.HAS_CYTHON_KERNELS and d_k % 16 == 0
+    sec = _median_time(lambda: kernels.paged_decode_attention(q, key, value, tables, lens, d_k ** -0.5, out=out),
+                       0.02 if fast else 0.05, 3 if fast else 5)
+    kv = 2.0 * seqs * ctx * m.num_kv_heads * d_k * m.dtype_bytes
+    return kv / sec, "cython" if uses_cython else "torch"
+
+
+def measure_cuda(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[int, ...], fast: bool) -> dict[str, Any]:
+    """Pinned host-to-device bandwidth, device memory and device GEMM rates (CUDA machines only)."""
+    import torch
+
+    nbytes = (256 if fast else 1024) << 20
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = nbytes / _median_time(lambda: dst.copy_(src, non_blocking=True), 0.05, 5, torch.cuda.synchronize)
+    props = torch.cuda.get_device_properties(0)
+    rows = measure_gemms(shapes, dtype_bytes, tokens, fast, device="cuda")
+    buf = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    dev_bw = nbytes / _median_time(lambda: buf.sum(), 0.05, 5, torch.cuda.synchronize)
+    peak = max(r["gflops"] for r in rows) / 1e3
+    return {"link_gbps": round(h2d / GB, 2), "device_memory_gb": round(props.total_memory / GB, 1),
+            "device_bw_gbps": round(dev_bw / GB, 1), "device_tflops": round(peak, 3), "gemm": rows,
+            "device_name": props.name}
+
+
+def profile_machine(models: list[ModelSpec], fast: bool = False, threads: int = 0) -> dict[str, Any]:
+    """Measure this machine for the given models' shapes and return the profile dict.
+
+    `threads` (0 = all usable cores) must match the engine's `engine.threads`: the rates are
+    those of that many cores."""
+    import torch
+
+    t_start = time.perf_counter()
+    cores = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        return _profile(models, fast, cores, t_start)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) -> dict[str, Any]:
+    import torch
+
+    tokens = FAST_TOKENS if fast else FULL_TOKENS
+    # Buffers of twice the last-level cache (at least 256 MiB) so the figures are DRAM's.
+    big = max(256 << 20, 2 * last_level_cache_bytes())
+    read_bw = measure_read_bandwidth(big)
+    copy_bw = measure_copy_bandwidth(big)
+    overhead = measure_op_overhead(models[0].hidden_size, models[0].dtype_bytes) if models else measure_op_overhead()
+    cpu_rows: list[dict[str, Any]] = []
+    attention = []
+    for m in models:
+        cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast)
+        attention.append(measure_attention(m, fast))
+    cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3
+    att_rate = statistics.median(a[0] for a in attention) if attention else None
+    data: dict[str, Any] = {
+        "name": f"profiled-{machine_fingerprint()}", "device": "cpu",
+        "fingerprint": machine_fingerprint(),
+        "profiled_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "fast" if fast else "full",
+        "models": sorted({m.name for m in models}),
+        "host_memory_gb": round(total_memory_bytes() / GB, 1),
+        "device_memory_gb": round(total_memory_bytes() / GB, 1),
+        "cpu_cores": cores, "cpu_bw_gbps": round(read_bw / GB, 2),
+        "device_bw_gbps": round(read_bw / GB, 2),
+        # No accelerator: moving a weight "to the device" is a host copy.
+        "link_gbps": round(copy_bw / GB, 2),
+        "cpu_tflops": round(cpu_peak, 4), "device_tflops": round(cpu_peak, 4),
+        "op_overhead_us": round(overhead * 1e6, 3),
+        "cpu_attention_gbps": round(att_rate / GB, 2) if att_rate else None,
+        "attention_kernel": attention[0][1] if attention else None,
+        "gemm": cpu_rows, "cpu_gemm": [],
+    }
+    if torch.cuda.is_available():
+        shapes = [s for m in models for s in gemm_shapes(m)]
+        cuda = measure_cuda(list(dict.fromkeys(shapes)), models[0].dtype_bytes if models else 2, tokens, fast)
+        data.update({k: v for k, v in cuda.items() if k != "gemm"})
+        data["name"] = f"profiled-{cuda['device_name'].replace(' ', '-').lower()}"
+        data["device"] = "cuda"
+        data["cpu_gemm"], data["gemm"] = cpu_rows, cuda["gemm"]
+    data["profile_seconds"] = round(time.perf_counter() - t_start, 2)
+    return data
+
+
+def _covers(data: dict[str, Any], models: list[ModelSpec]) -> bool:
+    have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
+    return all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m))
+
+
+def write_profile(data: dict[str, Any], path: Path | str) -> Path:
+    """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text("# Measured by python -m moe_engine.perf.profile; GB, GB/s, TFLOP/s, GFLOP/s.\n"
+                   + yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False) -> dict[str, Any]:
+    """The cached profile at `path`, measured (or extended with `model`'s GEMM shapes) if needed."""
+    path = Path(path)
+    models = [model] if model is not None else []
+    if path.exists():
+        data = load_profile(path)
+        if _covers(data, models):
+            return data
+        extra = profile_machine(models, fast=fast)
+        have = {(r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
+        data["gemm"] = list(data.get("gemm") or ()) + [
+            r for r in extra["gemm"] if (r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) not in have]
+        data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
+        if data.get("cpu_attention_gbps") is None:
+            data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
+            data["attention_kernel"] = extra["attention_kernel"]
+    else:
+        if not models:
+            models = [_default_model()]
+        data = profile_machine(models, fast=fast)
+    write_profile(data, path)
+    return data
+
+
+def _default_model() -> ModelSpec:
+    """The benchmark model's shapes (small-mixtral), profiled when no model is named."""
+    from moe_engine.checkpoints import PRESETS, hf_config
+
+    return ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]), name="small-mixtral")
+
+
+def resolve_model(arg: str, dtype: str | None = None) -> ModelSpec:
+    """A built-in preset name or a checkpoint directory / config.json path."""
+    from moe_engine.checkpoints import PRESETS, hf_config
+
+    if arg in PRESETS:
+        return ModelSpec.from_hf_config(hf_config(PRESETS[arg]), dtype=dtype, name=arg)
+    return ModelSpec.from_hf_config(arg, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_engine.perf.profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="profile YAML to write (default: resources/hardware/<fingerprint>.yaml)")
+    parser.add_argument("--model", action="append", default=[],
+                        help="built-in preset or checkpoint dir whose GEMM shapes to measure (repeatable)")
+    parser.add_argument("--dtype", default=None, help="override the model dtype (bfloat16, float32)")
+    parser.add_argument("--fast", action="store_true", help="fewer token counts and shorter timings (tests)")
+    parser.add_argument("--threads", type=int, default=0, help="threads to measure with (0 = all cores)")
+    args = parser.parse_args(argv)
+    models = [resolve_model(m, args.dtype) for m in args.model] or [_default_model()]
+    out = args.out or Path("resources/hardware") / f"{machine_fingerprint()}.yaml"
+    data = profile_machine(models, fast=args.fast, threads=args.threads)
+    write_profile(data, out)
+    print(f"profile written to {out} in {data['profile_seconds']} s: read {data['cpu_bw_gbps']} GB/s, "
+          f"copy {data['link_gbps']} GB/s, GEMM peak {data['device_tflops'] * 1e3:.0f} GFLOP/s, "
+          f"decode attention {data['cpu_attention_gbps']} GB/s ({data['attention_kernel']} kernel), "
+          f"op overhead {data['op_overhead_us']} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

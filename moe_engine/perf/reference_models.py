@@ -1,0 +1,53 @@
+"""config.json fields of public MoE checkpoints, written from their published configs (no hub
+access needed). Used for what-if policies on hardware this machine is not, and as test fixtures.
+Only the fields the performance model reads are kept.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .specs import ModelSpec
+
+REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "mixtral-8x22b": {
+        "model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "qwen1.5-moe-a2.7b": {
+        "model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "vocab_size": 151936, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "olmoe-1b-7b": {
+        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "vocab_size": 50304, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "deepseek-v2-lite": {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "vocab_size": 102400, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+}
+
+
+def reference_model(name: str) -> ModelSpec:
+    """ModelSpec of a public checkpoint listed in REFERENCE_CONFIGS."""
+    if name not in REFERENCE_CONFIGS:
+        raise KeyError(f"unknown reference model {name!r}; known: {sorted(REFERENCE_CONFIGS)}")
+    return ModelSpec.from_hf_config(REFERENCE_CONFIGS[name], name=name)

@@ -1,0 +1,206 @@
+"""Hierarchical roofline (MoE-Lightning section 3.2) applied to one transformer layer.
+
+Every operator is a (FLOPs, bytes read where it runs, bytes moved over the link) triple; its time
+on a processor is the largest of the three roofs (Lightning eq. 7):
+
+    t = max(flops / P_i, bytes_local / B_i, bytes_moved / B_ji)
+
+GEMMs use profiled times for the exact shape when the hardware spec carries them (the roofline
+with datasheet peaks is optimistic for skinny decode shapes, and on a CPU it is off by 2-4x).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .specs import GemmPoint, HardwareSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Work of one operator: FLOPs, bytes read from the memory of the processor running it."""
+
+    flops: float
+    local_bytes: float
+
+    def __add__(self, other: "OpCost") -> "OpCost":
+        return OpCost(self.flops + other.flops, self.local_bytes + other.local_bytes)
+
+    @property
+    def intensity(self) -> float:
+        """Operational intensity in FLOPs per byte (Lightning Def. 3.1)."""
+        return self.flops / self.local_bytes if self.local_bytes else math.inf
+
+
+def roofline_time(flops: float, local_bytes: float, peak_flops: float, local_bw: float,
+                  moved_bytes: float = 0.0, link_bw: float = math.inf) -> float:
+    """Lightning eq. 7: the slowest of the compute roof, the local memory roof and the link roof."""
+    return max(flops / peak_flops, local_bytes / local_bw, moved_bytes / link_bw if moved_bytes else 0.0)
+
+
+def attainable_flops(intensity: float, peak_flops: float, bw: float) -> float:
+    """Lightning eq. 8: attainable FLOP/s at operational intensity `intensity` (FLOPs/byte)."""
+    return min(peak_flops, bw * intensity)
+
+
+def gemm_cost(tokens: float, inp: int, out: int, dtype_bytes: int) -> OpCost:
+    """y = x W^T with x [tokens, inp]: 2*tokens*inp*out FLOPs; weights plus activations read."""
+    return OpCost(2.0 * tokens * inp * out, (inp * out + tokens * (inp + out)) * dtype_bytes)
+
+
+def _interp_time(points: tuple[tuple[int, float], ...], tokens: float) -> float:
+    """Piecewise-linear time(tokens) through measured points; a GEMM's time is close to affine
+    in the token count (weights read once plus per-token work), so extrapolate with the end
+    segments' slopes, never below the smallest measured time for fewer tokens."""
+    xs = [p[0] for p in points]
+    ts = [p[1] for p in points]
+    if len(points) == 1:
+        return ts[0] * max(1.0, tokens / xs[0])
+    i = bisect.bisect_left(xs, tokens)
+    if i <= 0:
+        return ts[0]
+    if i >= len(xs):
+        i = len(xs) - 1
+    x0, x1, t0, t1 = xs[i - 1], xs[i], ts[i - 1], ts[i]
+    slope = (t1 - t0) / (x1 - x0)
+    return max(ts[0], t0 + slope * (tokens - x0))
+
+
+@lru_cache(maxsize=4096)
+def _profiled_curve(points: tuple[GemmPoint, ...], inp: int, out: int, dtype_bytes: int
+                    ) -> tuple[tuple[tuple[int, float], ...], float] | None:
+    """Measured (tokens, seconds) curve for the shape, or the curve of the nearest profiled shape
+    of the same dtype together with the factor that rescales it (weight size ratio)."""
+    same = [p for p in points if p.dtype_bytes == dtype_bytes]
+    if not same:
+        return None
+    exact = [p for p in same if p.inp == inp and p.out == out]
+    scale = 1.0
+    if not exact:
+        size = inp * out
+        ref = min(same, key=lambda p: abs(math.log((p.inp * p.out) / size)))
+        exact = [p for p in same if p.inp == ref.inp and p.out == ref.out]
+        scale = size / (ref.inp * ref.out)
+    curve = tuple(sorted((p.tokens, 2.0 * p.tokens * p.inp * p.out / p.flops_per_s) for p in exact))
+    return curve, scale
+
+
+def gemm_time(tokens: float, inp: int, out: int, dtype_bytes: int, peak_flops: float, bw: float,
+              points: tuple[GemmPoint, ...] = ()) -> float:
+    """Seconds for one GEMM of `tokens` rows on a processor: profiled when available, else roofline."""
+    if tokens <= 0:
+        return 0.0
+    curve = _profiled_curve(points, inp, out, dtype_bytes) if points else None
+    if curve is not None:
+        pts, scale = curve
+        return _interp_time(pts, tokens) * scale
+    c = gemm_cost(tokens, inp, out, dtype_bytes)
+    return roofline_time(c.flops, c.local_bytes, peak_flops, bw)
+
+
+def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> float:
+    """Expected number of distinct experts a micro-batch of `tokens` touches under uniform routing."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class Processor:
+    """One compute unit as the roofline sees it."""
+
+    flops: float
+    bw: float
+    gemm_points: tuple[GemmPoint, ...] = ()
+    op_overhead_s: float = 0.0
+
+    def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
+        return gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw, self.gemm_points)
+
+
+def device_processor(hw: HardwareSpec) -> Processor:
+    return Processor(hw.device_flops, hw.device_bw, hw.gemm_points, hw.op_overhead_s)
+
+
+def cpu_processor(hw: HardwareSpec) -> Processor:
+    points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
+    return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s)
+
+
+# Non-GEMM operator launches per layer and micro-batch, counted in the engine's layer code
+# (moe_engine/model/layers.py, runner.py): an RMSNorm is 8 ops, RoPE 11 per tensor; attention
+# adds the cache write and the kernel call's checks; the MoE block its router softmax/top-k, the
+# sort/bincount/gather/scatter, and per active expert a slice, chunk, SiLU, multiply and store.
+# They matter where a launch costs as much as the work: small models on a CPU. Revisit the
+# counts when the engine's layer code changes.
+_PRE_ATTN_OPS = 34
+_ATTN_OPS = 16
+_POST_ATTN_OPS = 28
+_OPS_PER_EXPERT = 6
+HEAD_OPS = 12
+ATTN_OPS = _ATTN_OPS
+PREFILL_OPS_PER_SEQ = 6  # slice q/k/v, transposes, causal SDPA, store: one loop turn per prompt
+
+
+def pre_attention_time(m: ModelSpec, proc: Processor, mu: float) -> float:
+    """RMSNorm + fused QKV projection (+ RoPE) for a micro-batch of `mu` decode tokens."""
+    return proc.gemm(mu, m.hidden_size, m.qkv_out_features, m.dtype_bytes) + _PRE_ATTN_OPS * proc.op_overhead_s
+
+
+def o_proj_router_time(m: ModelSpec, proc: Processor, mu: float) -> float:
+    """Output projection and router (Lightning's model leaves both out; they are ~3% of Mixtral's
+    weights but a whole GEMM launch each per micro-batch)."""
+    t = proc.gemm(mu, m.num_heads * m.v_head_dim, m.hidden_size, m.dtype_bytes)
+    t += proc.gemm(mu, m.hidden_size, m.num_experts, m.dtype_bytes)
+    return t + _POST_ATTN_OPS * proc.op_overhead_s
+
+
+def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
+    """Routed experts (+ shared experts) of one MoE layer for `mu` tokens: each touched expert
+    reads its weights once and runs gate/up/down on its share of the tokens."""
+    active = expected_active_experts(mu, m.num_experts, m.top_k)
+    per_expert = mu * m.top_k / active if active else 0.0
+    t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.expert_intermediate, m.dtype_bytes)
+                  + _OPS_PER_EXPERT * proc.op_overhead_s)
+    if m.shared_intermediate:
+        t += _swiglu_time(proc, mu, m.hidden_size, m.shared_intermediate, m.dtype_bytes)
+    return t
+
+
+def _swiglu_time(proc: Processor, tokens: float, h: int, inter: int, dtype_bytes: int) -> float:
+    """Fused gate|up GEMM (h -> 2*inter, one launch, as the engine stores w1|w3) plus down."""
+    return proc.gemm(tokens, h, 2 * inter, dtype_bytes) + proc.gemm(tokens, inter, h, dtype_bytes)
+
+
+def dense_mlp_time(m: ModelSpec, proc: Processor, mu: float) -> float:
+    """The dense MLP of a non-MoE layer for `mu` tokens."""
+    return _swiglu_time(proc, mu, m.hidden_size, m.dense_intermediate, m.dtype_bytes)
+
+
+def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:
+    """Decode attention of `mu` queries over `ctx` cached tokens each (one layer): QK^T and PV are
+    2*d FLOPs per (query head, cached token) each; every cached K/V byte is read once per step
+    because all query heads of a GQA group share one pass over the cache."""
+    flops = 2.0 * mu * ctx * m.num_heads * (m.head_dim + m.v_head_dim)
+    return OpCost(flops, mu * ctx * m.kv_bytes_per_token_layer)
+
+
+def cpu_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float) -> float:
+    """Decode attention on the CPU: the profiled kernel's KV streaming rate when known."""
+    c = decode_attention_cost(m, mu, ctx)
+    bw = hw.cpu_attention_bw or hw.cpu_bw
+    return roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + _ATTN_OPS * hw.op_overhead_s
+
+
+def device_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float, kv_on_device: float) -> float:
+    """Decode attention on the accelerator reading the resident KV fraction from device memory;
+    the rest of the cache crosses the link (charged to T_io by the caller)."""
+    c = decode_attention_cost(m, mu, ctx)
+    return roofline_time(c.flops, c.local_bytes * kv_on_device, hw.device_flops, hw.device_bw)
+
+
+def prefill_attention_flops(m: ModelSpec, prompt_len_sq_mean: float) -> float:
+    """Causal self-attention over a prompt of length p: ~p^2/2 (query, key) pairs per head."""
+    return 2.0 * (prompt_len_sq_mean / 2.0) * m.num_heads * (m.head_dim + m.v_head_dim)

@@ -1,0 +1,245 @@
+"""Policy search (Lightning 4.2): exhaustive over a small (N, mu, A_g, F_g) grid with the
+resident ratios r_w and r_c solved in closed form, maximizing predicted generation throughput
+under the device and host memory constraints.
+
+Lightning solves an MILP per workload (appendix B.2, "less than a minute"); the grid plus the
+closed form for r_w finds the same optimum in a fraction of a second because T is monotone in
+r_w (every resident byte is one byte less over the link and one byte less of host memory).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .lens import Stage1Bound, stage1_bound, tokens_to_saturate_exact
+from .model import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOKENS, MemoryUse, Policy, Prediction, StepTimes,
+                    activation_bytes, peak_activation_bytes, device_budget, device_weight_bytes, is_cpu_backend, kv_bytes, memory_use,
+                    predict)
+from .roofline import decode_attention_cost, expected_active_experts
+from .specs import HardwareSpec, ModelSpec, WorkloadSpec
+
+# Micro-batch sizes and micro-batch counts tried. Geometric with ratio ~1.5 so that the best grid
+# point is within ~20% of the continuous optimum in N and mu.
+MU_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+NUB_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 128)
+# Equal predictions (to rounding) prefer the policy holding fewer sequences (less KV). A looser
+# tolerance would trade throughput for memory and break "more memory never predicts less".
+TIE_TOLERANCE = 1e-9
+
+
+class NoFeasiblePolicy(RuntimeError):
+    """Not even one micro-batch fits: the model does not fit the machine's memory."""
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """The chosen policy, what the model predicts for it and why."""
+
+    policy: Policy
+    prediction: Prediction
+    stage1: Stage1Bound
+    bottleneck: str
+    backend: str
+    model: ModelSpec
+    hardware: HardwareSpec
+    workload: WorkloadSpec
+    search_seconds: float
+    candidates: int
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.prediction.throughput_tok_s
+
+    def to_json(self) -> dict[str, Any]:
+        """What the workflow writes to policy.json (plain JSON types only)."""
+        p, pred, m, hw, wl = self.policy, self.prediction, self.model, self.hardware, self.workload
+        step = pred.step
+        n_layers = m.num_layers
+        bound = self.stage1.t_max_gen_tok_s
+        return {
+            "policy": {
+                "batch_size": p.batch_size, "micro_batch_size": p.micro_batch_size,
+                "num_micro_batches": p.num_micro_batches, "attention_on_device": p.attention_on_device,
+                "ffn_on_device": p.ffn_on_device, "resident_ratio": p.resident_ratio,
+                "kv_device_ratio": p.kv_device_ratio, "prefill_tokens": p.prefill_tokens,
+                "block_size": p.block_size, "kv_cache_bytes": pred.memory.kv_bytes,
+            },
+            "prediction": {
+                "throughput_tok_s": pred.throughput_tok_s, "prefill_s": pred.prefill_s, "decode_s": pred.decode_s,
+                "effective_batch": pred.effective_batch,
+                "decode_step_s": step.total,
+                "per_layer_s": {"t_io": step.t_io / n_layers, "t_cpu": step.t_cpu / n_layers,
+                                "t_gpu": step.t_gpu / n_layers},
+                "per_step_s": {"t_io": step.t_io, "t_cpu": step.t_cpu, "t_gpu": step.t_gpu, "t_head": step.t_head},
+            },
+            "bottleneck": self.bottleneck,
+            "memory": dataclasses.asdict(pred.memory),
+            "stage1": self.stage1.to_json(),
+            "prediction_over_bound": pred.throughput_tok_s / bound if bound > 0 else None,
+            "backend": self.backend,
+            "search": {"seconds": self.search_seconds, "candidates": self.candidates},
+            "model": dataclasses.asdict(m),
+            "hardware": _hardware_json(hw),
+            "workload": {"mean_prompt": wl.mean_prompt, "max_prompt": wl.max_prompt, "gen_len": wl.gen_len,
+                         "num_requests": wl.num_requests},
+            "roofline": roofline_points(m, hw, p, wl, self.backend),
+        }
+
+
+def _hardware_json(hw: HardwareSpec) -> dict[str, Any]:
+    d = dataclasses.asdict(hw)
+    d["gemm_points"] = len(hw.gemm_points)
+    d["cpu_gemm_points"] = len(hw.cpu_gemm_points)
+    return d
+
+
+def roofline_points(m: ModelSpec, hw: HardwareSpec, p: Policy, wl: WorkloadSpec, backend: str) -> dict[str, Any]:
+    """Operational intensities (FLOPs/byte) of the decode operators under the policy, for the
+    Lightning Fig. 4-5 plot: attention against its KV bytes; the MoE FFN against the weight bytes
+    it reads per micro-batch (device memory roof) and against the bytes streamed per step over the
+    link for the whole batch N (link roof)."""
+    ctx = wl.mean_prompt + wl.gen_len / 2.0
+    attn = decode_attention_cost(m, 1, ctx)
+    mu, n = p.micro_batch_size, p.batch_size
+    active = expected_active_experts(mu, m.num_experts, m.top_k)
+    ffn_flops_mu = 2.0 * mu * m.top_k * m.expert_params
+    ffn_bytes_mu = active * m.expert_params * m.dtype_bytes
+    streamed = (1.0 - p.resident_ratio) * m.experts_params_per_layer * m.dtype_bytes
+    ffn_flops_n = 2.0 * n * m.top_k * m.expert_params
+    return {
+        "attention_intensity": attn.intensity,
+        "ffn_intensity_device": ffn_flops_mu / ffn_bytes_mu if ffn_bytes_mu else None,
+        "ffn_intensity_link": ffn_flops_n / streamed if streamed > 0 else None,
+        "cpu_only": is_cpu_backend(hw, backend),
+    }
+
+
+def _max_resident_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy) -> tuple[float, float] | None:
+    """Largest r_w (then r_c if attention is on the device) the device memory allows, or None.
+
+    Device use is r_w*W + 2(1-r_w)*W_layer + fixed, linear in r_w, so the bound is closed-form.
+    """
+    budget = device_budget(hw, False)
+    w_total, w_layer = device_weight_bytes(m, policy.ffn_on_device)
+    fixed = peak_activation_bytes(m, wl, policy) + m.embedding_bytes / 2
+    if w_total + fixed <= budget:
+        r_c = 0.0
+        if policy.attention_on_device:
+            kv = kv_bytes(m, wl, policy.batch_size, policy.block_size)
+            r_c = min(1.0, (budget - w_total - fixed) / kv) if kv else 1.0
+        return 1.0, r_c
+    denom = w_total - 2.0 * w_layer
+    if denom <= 0:
+        return None
+    r_w = (budget - 2.0 * w_layer - fixed) / denom
+    if r_w < 0:
+        return None
+    return min(r_w, 1.0), 0.0
+
+
+def _candidate_batches(num_requests: int):
+    """(mu, N) pairs of the grid; with K requests bounded, N and mu above K collapse onto K."""
+    seen = set()
+    for mu in MU_GRID:
+        for nub in NUB_GRID:
+            n, m_eff = mu * nub, mu
+            if num_requests:
+                n, m_eff = min(n, num_requests), min(mu, num_requests)
+            if (m_eff, n) not in seen:
+                seen.add((m_eff, n))
+                yield m_eff, n
+
+
+def choose_policy(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, *, backend: str,
+                  block_size: int = DEFAULT_BLOCK_SIZE, prefill_tokens: int | None = None) -> PolicyResult:
+    """Search (N, mu, attention on device, FFN on device, r_w, r_c) for the highest predicted
+    generation throughput that fits device and host memory.
+
+    backend "cpu" (or a CPU-only hardware spec): the device is the CPU, all weights are resident
+    (paging host memory into host memory gains nothing), attention and FFN run on the same cores.
+    """
+    start = time.perf_counter()
+    cpu_backend = is_cpu_backend(hw, backend)
+    prefill_choices = (prefill_tokens,) if prefill_tokens else (DEFAULT_PREFILL_TOKENS,)
+    if prefill_tokens is None and not cpu_backend:
+        # Prefill passes as large as memory allows up to the count that amortizes the streamed
+        # weights (Lens eq. 2); each pass re-streams the non-resident weights.
+        sat = tokens_to_saturate_exact(model, hw.device_flops, hw.link_bw)
+        top = max(DEFAULT_PREFILL_TOKENS, int(2 ** math.ceil(math.log2(max(sat, 1.0)))))
+        # Capped so a pass's activations take at most a quarter of the device memory: the rest
+        # holds resident weights, which every decode step benefits from.
+        quarter = device_budget(hw, False) / 4
+        prefill_choices = tuple(t for t in (top >> i for i in range(12)) if t >= DEFAULT_PREFILL_TOKENS
+                                and activation_bytes(model, t, t / max(1.0, wl.mean_prompt)) <= quarter)
+        prefill_choices = prefill_choices or (DEFAULT_PREFILL_TOKENS,)
+    placements = [(False, True)] if cpu_backend else [(a, f) for a in (False, True) for f in (True, False)]
+    best: Prediction | None = None
+    candidates = 0
+    for attn_dev, ffn_dev in placements:
+        for mu, n in _candidate_batches(wl.num_requests):
+            policy = Policy(n, mu, attn_dev, ffn_dev, 1.0, 0.0, prefill_choices[0], block_size)
+            if not cpu_backend:
+                for pf in prefill_choices:
+                    policy = dataclasses.replace(policy, prefill_tokens=pf)
+                    solved = _max_resident_ratio(model, hw, wl, policy)
+                    if solved is not None:
+                        break
+                if solved is None:
+                    continue
+                policy = dataclasses.replace(policy, resident_ratio=solved[0], kv_device_ratio=solved[1])
+            if not memory_use(model, hw, wl, policy, cpu_backend).fits:
+                continue
+            candidates += 1
+            pred = predict(model, hw, wl, policy, cpu_backend)
+            if best is None or _better(pred, best):
+                best = pred
+    if best is None:
+        raise NoFeasiblePolicy(
+            f"no policy fits: model {model.name} needs {model.total_bytes / 1e9:.1f} GB of weights; "
+            f"hardware {hw.name} has {hw.host_memory / 1e9:.1f} GB host and {hw.device_memory / 1e9:.1f} GB device memory")
+    p = best.policy
+    streamed = None
+    if not cpu_backend:
+        w_total, _ = device_weight_bytes(model, p.ffn_on_device)
+        streamed = (1.0 - p.resident_ratio) * w_total
+    host_kv = best.memory.kv_bytes * (1.0 - (p.kv_device_ratio if p.attention_on_device else 0.0))
+    bound = stage1_bound(model, hw, wl.mean_prompt, wl.gen_len, host_kv, streamed_bytes=streamed)
+    elapsed = time.perf_counter() - start
+    return PolicyResult(p, best, bound, best.step.bottleneck, "cpu" if cpu_backend else backend, model, hw, wl,
+                        elapsed, candidates)
+
+
+def _better(a: Prediction, b: Prediction) -> bool:
+    """a beats b if faster, or equally fast with fewer sequences."""
+    if a.throughput_tok_s > b.throughput_tok_s * (1.0 + TIE_TOLERANCE):
+        return True
+    tie = a.throughput_tok_s >= b.throughput_tok_s * (1.0 - TIE_TOLERANCE)
+    return tie and a.policy.batch_size < b.policy.batch_size
+
+
+def apply_policy(engine, policy: "PolicyResult | Mapping[str, Any]"):
+    """Map a policy (a PolicyResult or the dict from policy.json) onto the engine's knobs:
+    N -> max_num_seqs, micro-batches -> num_micro_batches, r_w -> resident_ratio, KV bytes ->
+    kv_cache_gb (decimal GB, rounded up), placements -> attention_on_device / ffn_on_device,
+    prefill pass size -> max_prefill_tokens. Returns a new EngineConfig."""
+    data = policy.to_json() if isinstance(policy, PolicyResult) else dict(policy)
+    p = data["policy"]
+    kv_gb = math.ceil(p["kv_cache_bytes"] / 1e9 * 1000.0) / 1000.0
+    return dataclasses.replace(
+        engine,
+        max_num_seqs=int(p["batch_size"]),
+        num_micro_batches=int(p["num_micro_batches"]),
+        resident_ratio=float(min(1.0, max(0.0, p["resident_ratio"]))),
+        kv_cache_gb=max(kv_gb, 0.001),
+        attention_on_device=bool(p["attention_on_device"]),
+        ffn_on_device=bool(p["ffn_on_device"]),
+        max_prefill_tokens=int(p.get("prefill_tokens", engine.max_prefill_tokens)),
+        block_size=int(p.get("block_size", engine.block_size)),
+    )
+
+
+__all__ = ["PolicyResult", "NoFeasiblePolicy", "choose_policy", "apply_policy", "roofline_points",
+           "MemoryUse", "StepTimes"]

@@ -1,0 +1,170 @@
+"""Roofline terms, the policy search and its outputs (policy.json, engine knobs, plot)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from moe_engine.config import EngineConfig
+from moe_engine.perf import (Policy, WorkloadSpec, apply_policy, choose_policy, load_preset, memory_use, plot_roofline,
+                             predict, workload_spec_from_lengths)
+from moe_engine.perf.model import decode_step_times, layer_decode_times
+from moe_engine.perf.roofline import (expected_active_experts, gemm_time, roofline_time)
+from moe_engine.perf.reference_models import reference_model
+from moe_engine.perf.specs import GemmPoint
+
+MIXTRAL = reference_model("mixtral-8x7b")
+MTBENCH = WorkloadSpec(mean_prompt=77, max_prompt=418, gen_len=128)  # Lightning Table 3
+
+
+def test_roofline_time_takes_the_slowest_roof():
+    assert roofline_time(1e12, 1e9, 1e12, 1e10) == pytest.approx(1.0)  # compute
+    assert roofline_time(1e9, 1e10, 1e12, 1e10) == pytest.approx(1.0)  # local memory
+    assert roofline_time(1e9, 1e9, 1e12, 1e10, moved_bytes=4e10, link_bw=2e10) == pytest.approx(2.0)
+
+
+def test_gemm_time_interpolates_profiled_points_and_rescales_other_shapes():
+    pts = (GemmPoint(64, 64, 1, 2, 2 * 64 * 64 / 1e-3), GemmPoint(64, 64, 9, 2, 2 * 9 * 64 * 64 / 2e-3))
+    assert gemm_time(1, 64, 64, 2, 1e15, 1e15, pts) == pytest.approx(1e-3)
+    assert gemm_time(5, 64, 64, 2, 1e15, 1e15, pts) == pytest.approx(1.5e-3)
+    assert gemm_time(17, 64, 64, 2, 1e15, 1e15, pts) == pytest.approx(3e-3)  # affine tail
+    # An unprofiled shape of 4x the weights takes the nearest curve scaled by 4.
+    assert gemm_time(1, 128, 128, 2, 1e15, 1e15, pts) == pytest.approx(4e-3)
+    # No points: plain roofline.
+    assert gemm_time(1, 1000, 1000, 2, 1e12, 1e9) == pytest.approx(2e6 / 1e9, rel=0.01)
+
+
+def test_expected_active_experts():
+    assert expected_active_experts(1, 8, 2) == pytest.approx(2.0)
+    assert expected_active_experts(1000, 8, 2) == pytest.approx(8.0)
+    assert 2.0 < expected_active_experts(4, 8, 2) < 8.0
+
+
+def test_decode_layer_time_is_max_of_overlapped_resources_on_gpu():
+    hw = load_preset("l4")
+    pol = Policy(1024, 128, False, True, 0.1)
+    io, cpu, gpu = layer_decode_times(MIXTRAL, hw, pol, 1024, 150, cpu_backend=False)
+    # Streamed weights: 90% of a 2.8 GB layer over 32 GB/s, plus small activations.
+    assert io == pytest.approx(0.9 * MIXTRAL.moe_layer_bytes / 32e9, rel=0.02)
+    step = decode_step_times(MIXTRAL, hw, pol, 1024, 150, cpu_backend=False)
+    assert step.total == pytest.approx(32 * max(io, cpu, gpu) + step.t_head)
+
+
+def test_cpu_backend_adds_attention_and_ffn_and_moves_nothing():
+    hw = load_preset("cpu")
+    small = reference_model("olmoe-1b-7b")
+    pol = Policy(64, 64, False, True, 1.0)
+    io, cpu, gpu = layer_decode_times(small, hw, pol, 64, 200, cpu_backend=True)
+    assert io == 0.0
+    step = decode_step_times(small, hw, pol, 64, 200, cpu_backend=True)
+    assert step.total == pytest.approx(small.num_layers * (cpu + gpu) + step.t_head)
+
+
+def test_mixtral_policy_search_runs_under_a_second():
+    hw = load_preset("l4")
+    start = time.perf_counter()
+    result = choose_policy(MIXTRAL, hw, MTBENCH, backend="cuda")
+    assert time.perf_counter() - start < 1.0
+    assert result.candidates > 500
+
+
+@pytest.mark.parametrize("gen_len", [32, 64, 128, 256])
+def test_l4_mtbench_policy_matches_lightning(gen_len):
+    """Lightning 4.2 / 6.3: on L4 with 192 GB host memory the policy is CPU attention, FFN on the
+    GPU, thousands of tokens in flight and a small resident fraction."""
+    hw = load_preset("l4")
+    assert hw.host_memory == pytest.approx(192e9)
+    r = choose_policy(MIXTRAL, hw, dataclasses.replace(MTBENCH, gen_len=gen_len), backend="cuda")
+    p = r.policy
+    assert not p.attention_on_device and p.ffn_on_device
+    assert p.batch_size >= 1000
+    assert p.resident_ratio <= 0.25
+    assert r.bottleneck in ("link", "cpu")
+
+
+PRESET_CASES = [(hw, name, wl) for hw in ("t4", "l4", "a40", "a100", "h100")
+                for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite", "olmoe-1b-7b")
+                for wl in (MTBENCH, WorkloadSpec(242, 256, 50), WorkloadSpec(1693, 1984, 64))]
+
+
+@pytest.mark.parametrize("hw_name,model_name,wl", PRESET_CASES[::3])
+def test_policy_satisfies_memory_constraints_and_stage1_bound(hw_name, model_name, wl):
+    hw, m = load_preset(hw_name), reference_model(model_name)
+    r = choose_policy(m, hw, wl, backend="cuda")
+    mem = memory_use(m, hw, wl, r.policy, cpu_backend=False)
+    assert mem.device_bytes <= mem.device_budget * (1 + 1e-6)
+    assert mem.host_bytes <= mem.host_budget * (1 + 1e-6)
+    assert 0.0 <= r.policy.resident_ratio <= 1.0 and 0.0 <= r.policy.kv_device_ratio <= 1.0
+    # Never above the Lens bound (which counts p+g tokens; prefill yields the first token free).
+    p, g = wl.mean_prompt, wl.gen_len
+    assert r.throughput_tok_s <= r.stage1.t_max_gen_tok_s * (p + g) / (p + g - 1) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("hw_name", ["t4", "l4", "a100"])
+def test_more_host_memory_never_lowers_predicted_throughput(hw_name):
+    hw = load_preset(hw_name)
+    prev = 0.0
+    for gb in (120, 160, 192, 256, 384, 512):
+        tp = choose_policy(MIXTRAL, hw.with_host_memory(gb * 1e9), MTBENCH, backend="cuda").throughput_tok_s
+        assert tp >= prev * (1 - 1e-9)
+        prev = tp
+    assert prev > choose_policy(MIXTRAL, hw.with_host_memory(120e9), MTBENCH, backend="cuda").throughput_tok_s
+
+
+@pytest.mark.parametrize("hw_name", ["t4", "l4"])
+def test_faster_link_never_lowers_predicted_throughput(hw_name):
+    hw = load_preset(hw_name)
+    prev = 0.0
+    for gbps in (8, 16, 32, 64, 128):
+        tp = choose_policy(MIXTRAL, hw.with_link_bw(gbps * 1e9), MTBENCH, backend="cuda").throughput_tok_s
+        assert tp >= prev * (1 - 1e-9)
+        prev = tp
+
+
+def test_model_that_cannot_fit_raises():
+    from moe_engine.perf import NoFeasiblePolicy
+
+    with pytest.raises(NoFeasiblePolicy, match="mixtral-8x22b"):
+        choose_policy(reference_model("mixtral-8x22b"), load_preset("l4"), MTBENCH, backend="cuda")
+
+
+def test_cpu_backend_policy_is_bounded_by_requests_and_keeps_weights_resident():
+    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.perf import ModelSpec
+
+    m = ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]))
+    wl = workload_spec_from_lengths([100] * 48, 16)
+    r = choose_policy(m, load_preset("cpu"), wl, backend="cpu")
+    assert r.policy.batch_size <= 48 and r.policy.resident_ratio == 1.0
+    assert not r.policy.attention_on_device and r.policy.ffn_on_device
+    assert r.prediction.step.t_io == 0.0
+    assert r.backend == "cpu" and r.throughput_tok_s > 0
+
+
+def test_policy_json_and_engine_knobs(tmp_path):
+    r = choose_policy(MIXTRAL, load_preset("l4"), MTBENCH, backend="cuda")
+    data = json.loads(json.dumps(r.to_json()))  # plain JSON types only
+    assert data["bottleneck"] == r.bottleneck
+    assert data["prediction"]["throughput_tok_s"] == pytest.approx(r.throughput_tok_s)
+    assert 0 < data["prediction_over_bound"] <= 1.01
+    engine = apply_policy(EngineConfig(), data)
+    p = r.policy
+    assert engine.max_num_seqs == p.batch_size
+    assert engine.num_micro_batches == p.num_micro_batches
+    assert engine.resident_ratio == pytest.approx(p.resident_ratio)
+    assert engine.attention_on_device is False and engine.ffn_on_device is True
+    # The KV budget holds N sequences at prompt + generation length.
+    assert engine.kv_cache_gb * 1e9 >= p.batch_size * (MTBENCH.mean_prompt + MTBENCH.gen_len) * MIXTRAL.kv_bytes_per_token
+    assert apply_policy(EngineConfig(), r) == engine
+    png = plot_roofline(data, tmp_path / "roofline.png")
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prediction_counts_generated_tokens_over_prefill_plus_decode():
+    hw = load_preset("l4")
+    wl = WorkloadSpec(77, 418, 64, num_requests=1000)
+    pol = Policy(512, 128, False, True, 0.1)
+    pred = predict(MIXTRAL, hw, wl, pol, cpu_backend=False)
+    assert pred.throughput_tok_s == pytest.approx(1000 * 64 / (pred.prefill_s + pred.decode_s))

@@ -1,0 +1,68 @@
+"""The hardware profiler in its reduced mode: it measures, writes a usable profile, and caches."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from moe_engine.config import HardwareConfig
+from moe_engine.perf import ModelSpec, choose_policy, hardware_spec_from_config, workload_spec_from_lengths
+from moe_engine.perf.hardware import cached_profile_path, machine_fingerprint, spec_from_figures
+from moe_engine.perf.profile import ensure_profile, gemm_shapes, main
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from moe_engine.checkpoints import PRESETS, hf_config
+
+    return ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]), name="tiny-mixtral")
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("hw") / "profile.yaml"
+    return path, ensure_profile(path, model=tiny, fast=True)
+
+
+def test_profile_measures_every_shape_and_the_machine(tiny, tiny_profile):
+    path, data = tiny_profile
+    assert path.exists()
+    on_disk = yaml.safe_load(path.read_text())
+    assert on_disk["fingerprint"] == machine_fingerprint()
+    shapes = {(r["inp"], r["out"]) for r in on_disk["gemm"]}
+    assert set(gemm_shapes(tiny)) <= shapes
+    assert all(r["gflops"] > 0 for r in on_disk["gemm"])
+    for key in ("cpu_bw_gbps", "link_gbps", "device_tflops", "cpu_attention_gbps", "op_overhead_us"):
+        assert on_disk[key] > 0, key
+    assert on_disk["attention_kernel"] in ("cython", "torch")
+    assert on_disk["profile_seconds"] < 60
+
+
+def test_profile_drives_the_cpu_policy(tiny, tiny_profile):
+    _, data = tiny_profile
+    hw = spec_from_figures(data)
+    r = choose_policy(tiny, hw, workload_spec_from_lengths([40, 60, 80], 8), backend="cpu")
+    assert r.throughput_tok_s > 0 and r.policy.batch_size <= 3
+
+
+def test_cached_profile_is_reused(tiny, tiny_profile):
+    path, data = tiny_profile
+    before = path.stat().st_mtime_ns
+    again = ensure_profile(path, model=tiny, fast=True)
+    assert path.stat().st_mtime_ns == before
+    assert again["gemm"] == data["gemm"]
+
+
+def test_auto_profile_goes_through_the_fingerprint_cache(tiny, tiny_profile, tmp_path):
+    _, data = tiny_profile
+    cache = cached_profile_path(tmp_path)
+    cache.write_text(yaml.safe_dump(data))
+    spec = hardware_spec_from_config(HardwareConfig(profile="auto"), tmp_path, model=tiny)
+    assert spec.cpu_bw == pytest.approx(data["cpu_bw_gbps"] * 1e9)
+    assert len(spec.gemm_points) == len(data["gemm"])
+
+
+def test_cli_writes_profile(tmp_path, capsys):
+    out = tmp_path / "cli.yaml"
+    assert main(["--out", str(out), "--model", "tiny-mixtral", "--fast"]) == 0
+    assert "profile written" in capsys.readouterr().out
+    assert yaml.safe_load(out.read_text())["models"] == ["tiny-mixtral"]

@@ -1,0 +1,107 @@
+"""ModelSpec from HF configs, hardware presets and specs from config, workload statistics."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_engine.config import HardwareConfig
+from moe_engine.perf import (ModelSpec, UnsupportedModelError, hardware_spec_from_config, load_preset,
+                             workload_spec_from_lengths)
+from moe_engine.perf.reference_models import REFERENCE_CONFIGS, reference_model
+
+# Published total parameter counts (billions).
+PUBLISHED_PARAMS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "qwen1.5-moe-a2.7b": 14.3,
+                    "qwen3-30b-a3b": 30.5, "olmoe-1b-7b": 6.9, "deepseek-v2-lite": 15.7}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
+def test_parameter_count_matches_published_size(name):
+    assert reference_model(name).total_params / 1e9 == pytest.approx(PUBLISHED_PARAMS[name], rel=0.02)
+
+
+def test_mixtral_fields():
+    m = reference_model("mixtral-8x7b")
+    assert (m.num_layers, m.hidden_size, m.expert_intermediate, m.num_heads, m.num_kv_heads, m.head_dim,
+            m.num_experts, m.top_k, m.shared_intermediate, m.dtype_bytes) == (32, 4096, 14336, 32, 8, 128, 8, 2, 0, 2)
+    # Per layer: 8 experts x 3 x 4096 x 14336 + attention 4096 x (4096 + 2 x 1024) + 4096 x 4096.
+    assert m.experts_params_per_layer == 8 * 3 * 4096 * 14336
+    assert m.attn_params_per_layer == 4096 * 6144 + 4096 * 4096
+
+
+def test_qwen2_moe_shared_expert_and_sparse_layers():
+    cfg = dict(REFERENCE_CONFIGS["qwen1.5-moe-a2.7b"], decoder_sparse_step=2, mlp_only_layers=[1])
+    m = ModelSpec.from_hf_config(cfg)
+    assert m.shared_intermediate == 5632 and m.expert_intermediate == 1408
+    # Sparse iff (i+1) % 2 == 0 and i not in mlp_only: layers 3, 5, ..., 23 -> 11 of 24.
+    assert m.num_moe_layers == 11 and m.num_dense_layers == 13
+    assert m.dense_intermediate == 5632
+
+
+def test_deepseek_v2_dense_first_layer_and_mla_cache():
+    m = reference_model("deepseek-v2-lite")
+    assert m.num_moe_layers == 26 and m.num_dense_layers == 1
+    assert m.shared_intermediate == 2 * 1408
+    # The HF cache holds per-head K (128 nope + 64 rope) and V (128).
+    assert m.kv_bytes_per_token_layer == 16 * (192 + 128) * 2
+
+
+def test_qwen3_moe_explicit_head_dim():
+    m = reference_model("qwen3-30b-a3b")
+    assert m.head_dim == 128 and m.hidden_size == 2048 and m.num_heads * m.head_dim == 4096
+
+
+def test_unsupported_model_type_is_named():
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        ModelSpec.from_hf_config({"model_type": "llama", "hidden_size": 8})
+
+
+def test_dtype_override_and_config_file(tmp_path):
+    from moe_engine.checkpoints import PRESETS, hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["small-mixtral"])))
+    m = ModelSpec.from_hf_config(tmp_path)
+    assert m.dtype_bytes == 2 and m.hidden_size == 1024 and m.num_layers == 4
+    assert ModelSpec.from_hf_config(tmp_path / "config.json", dtype="float32").dtype_bytes == 4
+    # ~428M parameters (the preset's documented size).
+    assert m.total_params / 1e6 == pytest.approx(428, rel=0.02)
+
+
+def test_workload_from_lengths():
+    wl = workload_spec_from_lengths([10, 20, 30], 64)
+    assert (wl.mean_prompt, wl.max_prompt, wl.gen_len, wl.num_requests) == (20, 30, 64, 3)
+    assert wl.sum_prompt_sq == pytest.approx((100 + 400 + 900) / 3)
+    with pytest.raises(ValueError):
+        workload_spec_from_lengths([], 8)
+
+
+@pytest.mark.parametrize("name,tflops,mem", [("t4", 65, 16), ("l4", 121, 24), ("a40", 149.7, 48), ("l40", 181, 48),
+                                             ("a100", 312, 80), ("h100", 989, 80), ("h200", 989, 141)])
+def test_presets_load_with_datasheet_figures(name, tflops, mem):
+    hw = load_preset(name)
+    assert hw.device_kind == "cuda"
+    assert hw.device_flops == pytest.approx(tflops * 1e12)
+    assert hw.device_memory == pytest.approx(mem * 1e9)
+
+
+def test_presets_compose_through_hydra():
+    from moe_engine.config import compose
+
+    cfg = compose(["hardware=l4"])
+    assert cfg.hardware.device_tflops == 121.0 and cfg.hardware.link_gbps == 32.0
+
+
+def test_hardware_spec_from_config_uses_figures_or_profile(tmp_path):
+    hw = HardwareConfig()
+    spec = hardware_spec_from_config(hw, tmp_path)
+    assert spec.is_cpu_only and spec.device_flops == pytest.approx(hw.device_tflops * 1e12)
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: measured\ndevice: cpu\ndevice_memory_gb: 8\nhost_memory_gb: 8\nlink_gbps: 5\n"
+                       "device_bw_gbps: 11\ncpu_bw_gbps: 11\ndevice_tflops: 0.1\ncpu_tflops: 0.1\n"
+                       "cpu_attention_gbps: 9\nop_overhead_us: 3\n"
+                       "gemm: [{inp: 8, out: 8, tokens: 1, dtype_bytes: 2, gflops: 1.0}]\n")
+    hw.profile = str(profile)
+    spec = hardware_spec_from_config(hw, tmp_path)
+    assert spec.name == "measured" and spec.cpu_bw == pytest.approx(11e9)
+    assert spec.cpu_attention_bw == pytest.approx(9e9) and spec.op_overhead_s == pytest.approx(3e-6)
+    assert len(spec.gemm_points) == 1
