@@ -1,0 +1,362 @@
+"""One model step with weight paging, CPU attention and the link working at once (CGOPipe).
+
+Per layer i, over the step's micro-batches j (prefill and decode alike, layer by layer over all
+micro-batches: FlexGen's zig-zag order):
+1. the pages of layer i+1 are queued at the start of layer i (the last layer queues layer 0 of
+   the next step), so they land while layer i computes;
+2. for each j: wait for CPU attention of j, run the device post-attention dense part (O proj,
+   residual, post norm, router) of j while the CPU attends j+1;
+3. the MoE FFN of the layer runs grouped by expert over all micro-batches (Klotski 5): resident
+   experts first, hottest first, then streamed experts in arrival order; a streamed expert runs
+   on the CPU instead when Twiddler's latency rule says so (it then never crosses the link);
+4. for each j: device pre-attention (norm, QKV, RoPE) of layer i+1, then its attention goes to
+   the CPU worker at once, so the CPU attends j while the device projects j+1.
+
+With `group_ffn="micro_batch"` the FFN instead runs per micro-batch right after its dense part
+(Lightning's order: post-attention of j, pre-attention of j for the next layer, CPU attention
+of j+1 meanwhile), still expert by expert and hot first.
+
+The device is the calling thread; CPU attention and CPU experts run on one worker thread; the
+link is the backend's copy worker. The math is the runner's and layers.py's, imported.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from moe_engine.expert_placement import ExpertPlacer, Place
+from moe_engine.model.layers import moe_ffn, rms_norm, route
+from moe_engine.model.runner import MicroBatchInput, ModelRunner, _Activation
+from moe_engine.model.weights import ExpertWeights
+from moe_engine.pager import WeightPager
+from moe_engine.routing_profile import RoutingRecorder
+from moe_engine.trace import Trace
+
+DEVICE_LANE, CPU_LANE, WAIT_LANE = "device", "cpu", "wait"
+
+
+@dataclass
+class OffloadStats:
+    """Where a step's time and bytes went (summed over steps by `add`)."""
+
+    steps: int = 0
+    transfer_wait_time_s: float = 0.0  # device side blocked on weight pages
+    device_compute_time_s: float = 0.0  # device-side work, waits excluded (host issue time on CUDA)
+    cpu_attention_time_s: float = 0.0
+    cpu_expert_time_s: float = 0.0
+    cpu_wait_time_s: float = 0.0  # device side blocked on CPU attention / CPU experts
+    bytes_moved: int = 0  # weight bytes that crossed the link
+    experts_on_cpu: int = 0  # (layer, expert) computations placed on the CPU
+    experts_on_device: int = 0
+    experts_streamed: int = 0  # experts whose pages were issued (prefetched or on demand)
+
+    def add(self, other: "OffloadStats") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Routed:
+    """A micro-batch after its dense post-attention part: FFN input and routing."""
+
+    h: torch.Tensor
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+
+class OffloadPipeline:
+    """Drop-in for ModelRunner.forward that pages experts through a WeightPager."""
+
+    def __init__(self, runner: ModelRunner, pager: WeightPager, placer: ExpertPlacer,
+                 attention_on_device: bool = False, group_ffn: str = "layer",
+                 trace: Optional[Trace] = None, recorder: Optional[RoutingRecorder] = None):
+        if group_ffn not in ("layer", "micro_batch"):
+            raise ValueError(f"group_ffn must be 'layer' or 'micro_batch', got {group_ffn!r}")
+        self.runner = runner
+        self.pager = pager
+        self.placer = placer
+        self.backend = pager.backend
+        self.attention_on_device = attention_on_device
+        self.group_ffn = group_ffn
+        self.trace = trace or Trace(enabled=False)
+        self.recorder = recorder
+        self.spec = runner.spec
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-worker")
+        self.totals = OffloadStats()
+        self.last_step = OffloadStats()
+        self._step = OffloadStats()
+        self._first_prefetch_done = False
+        self._inflight: list[Future] = []  # CPU tasks submitted during the current step
+        # (layer, expert, tokens, bytes still to move, place) of the last step, in decision order.
+        self.last_decisions: list[tuple[int, int, int, int, Place]] = []
+
+    # The engine reads these from its runner.
+    @property
+    def times(self):
+        return self.runner.times
+
+    @times.setter
+    def times(self, value) -> None:
+        self.runner.times = value
+
+    @property
+    def attention(self):
+        return self.runner.attention
+
+    def close(self) -> None:
+        """Stop the CPU worker and drop queued pages (the pager's copy worker stays up)."""
+        self._cpu.shutdown(wait=True)
+        self.pager.cancel_all()
+
+    def forward(self, batches: list[MicroBatchInput]) -> torch.Tensor:
+        """Logits [num_seqs, vocab] (fp32, on the host) for the last token of every sequence."""
+        try:
+            return self._forward(batches)
+        except BaseException:
+            # CPU tasks of the failed step must not outlive it (they write KV blocks the
+            # scheduler is about to hand to other sequences), and its ring slots are claimed.
+            for job in self._inflight:
+                if not job.cancel():
+                    job.exception()
+            self.pager.cancel_all()
+            self._first_prefetch_done = False
+            raise
+
+    @torch.inference_mode()
+    def _forward(self, batches: list[MicroBatchInput]) -> torch.Tensor:
+        self._step = OffloadStats(steps=1)
+        self._inflight = []
+        self.last_decisions = []
+        streamed_before = self.pager.stats.experts_streamed
+        link_before = self.backend.link_bytes_moved
+        num_layers = self.spec.num_layers
+        num_tokens = sum(int(mb.input_ids.numel()) for mb in batches)
+        if not self._first_prefetch_done:
+            self._prefetch(0, num_tokens)
+            self._first_prefetch_done = True
+        acts = []
+        with self._device("embed"):
+            batches = [self._on_device(mb) for mb in batches]
+            for mb in batches:
+                acts.append(_Activation(self.runner.weights.embed[mb.input_ids]))
+        pending = [self._pre_attention(0, j, mb, act) for j, (mb, act) in
+                   enumerate(zip(batches, acts))]
+        for i in range(num_layers):
+            nxt = (i + 1) % num_layers  # the last layer prefetches layer 0 of the next step
+            if nxt != i:
+                self._prefetch(nxt, num_tokens)
+            routed: list[Optional[_Routed]] = [None] * len(batches)
+            for j, (mb, act) in enumerate(zip(batches, acts)):
+                self._await_attention(pending[j], act)
+                routed[j] = self._post_attention_dense(i, j, act)
+                if self.group_ffn == "micro_batch":
+                    self._ffn(i, [act], [routed[j]])
+                    if i + 1 < num_layers:
+                        pending[j] = self._pre_attention(i + 1, j, mb, act)
+            if self.group_ffn == "layer":
+                self._ffn(i, acts, routed)
+            self.pager.release(i)
+            if nxt == i:  # one layer: its slot is free only now
+                self._prefetch(nxt, num_tokens)
+            if i + 1 < num_layers and self.group_ffn == "layer":
+                pending = [self._pre_attention(i + 1, j, mb, act) for j, (mb, act) in
+                           enumerate(zip(batches, acts))]
+        logits = self._head(batches, acts)
+        self._finish_step(streamed_before, link_before)
+        return logits
+
+    def _on_device(self, mb: MicroBatchInput) -> MicroBatchInput:
+        """The micro-batch's index tensors where the device reads them (identity on CPU).
+        Cache indices move too only when attention runs on the device; CPU attention keeps
+        the host copies."""
+        move = self.backend.activation_to_device
+        changes = dict(input_ids=move(mb.input_ids), positions=move(mb.positions),
+                       logits_indices=move(mb.logits_indices))
+        if self.attention_on_device:
+            changes.update(slot_mapping=move(mb.slot_mapping))
+            if mb.block_tables is not None:
+                changes.update(block_tables=move(mb.block_tables),
+                               context_lens=move(mb.context_lens))
+        return replace(mb, **changes)
+
+    def _prefetch(self, layer: int, num_tokens: int) -> None:
+        freq = self.pager.profile.frequency(layer)
+        expected = num_tokens * self.spec.top_k
+        hot = [e for e in self.pager.streamed[layer]
+               if self.placer.should_prefetch(expected * freq[e])]
+        if hot:
+            self.pager.prefetch(layer, hot)
+
+    def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: _Activation) -> Future:
+        """Device norm + QKV of micro-batch j; its attention starts at once where it runs."""
+        with self._device(f"pre L{layer} mb{j}"):
+            self.runner.pre_attention(layer, mb, act)
+        if self.attention_on_device:
+            with self._device(f"attn L{layer} mb{j}"):
+                self.runner.attend(layer, mb, act)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        act.q, act.k, act.v = (self.backend.to_host(t) for t in (act.q, act.k, act.v))
+        return self._submit_cpu(self._cpu_attention, layer, j, mb, act)
+
+    def _submit_cpu(self, fn, *args) -> Future:
+        job = self._cpu.submit(fn, *args)
+        self._inflight.append(job)
+        return job
+
+    def _cpu_attention(self, layer: int, j: int, mb: MicroBatchInput, act: _Activation) -> None:
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # inference mode is per thread
+            self.runner.attend(layer, mb, act)
+        t1 = time.perf_counter()
+        self._step.cpu_attention_time_s += t1 - t0
+        self.trace.add(CPU_LANE, f"attn L{layer} mb{j}", t0, t1)
+
+    def _await_attention(self, pending: Future, act: _Activation) -> None:
+        t0 = time.perf_counter()
+        pending.result()
+        t1 = time.perf_counter()
+        self._step.cpu_wait_time_s += t1 - t0
+        if not self.attention_on_device:
+            act.attn = self.backend.activation_to_device(act.attn)
+
+    def _post_attention_dense(self, layer: int, j: int, act: _Activation) -> _Routed:
+        """O projection + residual, post norm, router (the runner's post-attention minus FFN)."""
+        with self._device(f"post L{layer} mb{j}", "dense_s"):
+            dense = self.runner.weights.layers[layer].dense
+            act.x = act.x + F.linear(act.attn, dense.wo)
+            act.attn = None
+            h = rms_norm(act.x, dense.post_norm, self.spec.rms_norm_eps)
+            weights, experts = route(dense.router, h, self.spec.top_k)
+        if self.recorder is not None:
+            self.recorder.record(layer, experts)
+        return _Routed(h, weights, experts)
+
+    def _ffn(self, layer: int, acts: list[_Activation], routed: list[_Routed]) -> None:
+        """x += MoE(h) for the given micro-batches, one expert at a time across all of them."""
+        t_start = time.perf_counter()
+        h = torch.cat([r.h for r in routed])
+        weights = torch.cat([r.weights for r in routed])
+        experts = torch.cat([r.experts for r in routed])
+        counts = torch.bincount(experts.reshape(-1), minlength=self.spec.num_experts).tolist()
+        device, cpu = self._plan(layer, counts)
+        cpu_jobs = [(e, self._submit_cpu(self._cpu_expert, layer, e,
+                                         *self._rows(h, weights, experts, e)))
+                    for e in cpu]
+        out = torch.zeros_like(h)
+        for e in device:
+            t0 = time.perf_counter()
+            w = self.pager.wait(layer, e)
+            t1 = time.perf_counter()
+            if t1 - t0 > 1e-4:
+                self.trace.add(WAIT_LANE, f"wait L{layer} E{e}", t0, t1)
+            self._step.transfer_wait_time_s += t1 - t0
+            with self._device(f"expert L{layer} E{e}"):
+                tokens, rows, rw = self._rows(h, weights, experts, e)
+                out.index_add_(0, tokens, _expert_output(w, rows, rw))
+        for e, job in cpu_jobs:
+            t0 = time.perf_counter()
+            tokens, result = job.result()
+            self._step.cpu_wait_time_s += time.perf_counter() - t0
+            out.index_add_(0, tokens, self.backend.activation_to_device(result))
+        start = 0
+        for act in acts:
+            end = start + act.x.shape[0]
+            act.x = act.x + out[start:end]
+            start = end
+        self.runner.times.ffn_s += time.perf_counter() - t_start
+
+    def _plan(self, layer: int, counts: list[int]) -> tuple[list[int], list[int]]:
+        """Device experts in execution order and CPU experts (Twiddler), pages of CPU experts
+        cancelled so they do not occupy the link."""
+        pager, ranking = self.pager, self.pager.profile.ranking(layer)
+        resident, streamed, cpu = [], [], []
+        for e in ranking:
+            to_move = pager.bytes_to_move(layer, e)
+            place = self.placer.decide(counts[e], pager.is_resident(layer, e), to_move)
+            if place is not Place.skip:
+                self.last_decisions.append((layer, e, counts[e], to_move, place))
+            if place is Place.cpu:
+                cpu.append(e)
+                pager.cancel(layer, e)
+            elif place is Place.device:
+                (resident if pager.is_resident(layer, e) else streamed).append(e)
+        # Experts not prefetched are requested now, hottest first, behind the prefetched ones.
+        for e in streamed:
+            if pager.issue_order(layer, e) is None:
+                pager.prefetch(layer, [e])
+        streamed.sort(key=lambda e: pager.issue_order(layer, e))
+        self._step.experts_on_cpu += len(cpu)
+        self._step.experts_on_device += len(resident) + len(streamed)
+        return resident + streamed, cpu
+
+    @staticmethod
+    def _rows(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, slot = (experts == e).nonzero(as_tuple=True)
+        return tokens, h[tokens], weights[tokens, slot]
+
+    def _cpu_expert(self, layer: int, e: int, tokens: torch.Tensor, rows: torch.Tensor,
+                    rw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            result = _expert_output(self.pager.host_expert(layer, e),
+                                    self.backend.to_host(rows), self.backend.to_host(rw))
+        t1 = time.perf_counter()
+        self._step.cpu_expert_time_s += t1 - t0
+        self.trace.add(CPU_LANE, f"cpu-expert L{layer} E{e}", t0, t1)
+        return tokens, result
+
+    def _head(self, batches: list[MicroBatchInput], acts: list[_Activation]) -> torch.Tensor:
+        with self._device("head"):
+            t0 = time.perf_counter()
+            w = self.runner.weights
+            last = torch.cat([act.x[mb.logits_indices] for mb, act in zip(batches, acts)])
+            h = rms_norm(last, w.final_norm, self.spec.rms_norm_eps)
+            logits = self.backend.to_host(F.linear(h, w.lm_head).float())
+            self.runner.times.head_s += time.perf_counter() - t0
+        return logits
+
+    def _device(self, label: str, times_field: Optional[str] = None) -> "_DeviceSpan":
+        return _DeviceSpan(self, label, times_field)
+
+    def _finish_step(self, streamed_before: int, link_before: int) -> None:
+        s = self._step
+        s.experts_streamed = self.pager.stats.experts_streamed - streamed_before
+        s.bytes_moved = self.backend.link_bytes_moved - link_before
+        self.last_step = s
+        self.totals.add(s)
+
+
+class _DeviceSpan:
+    """Times a block of device work into the step stats and the trace."""
+
+    def __init__(self, pipe: OffloadPipeline, label: str, times_field: Optional[str]):
+        self.pipe, self.label, self.times_field = pipe, label, times_field
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        t1 = time.perf_counter()
+        self.pipe._step.device_compute_time_s += t1 - self.t0
+        self.pipe.trace.add(DEVICE_LANE, self.label, self.t0, t1)
+        if self.times_field is not None:
+            times = self.pipe.runner.times
+            setattr(times, self.times_field, getattr(times, self.times_field) + t1 - self.t0)
+        return False
+
+
+def _expert_output(expert: ExpertWeights, rows: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:
+    """rw * SwiGLU_expert(rows), via layers.moe_ffn on a one-expert list (the math lives there)."""
+    idx = torch.zeros(rows.shape[0], 1, dtype=torch.int64, device=rows.device)
+    return moe_ffn([expert], rows, rw.reshape(-1, 1), idx)

@@ -1,0 +1,188 @@
+"""The offloaded pipeline generates exactly the tokens of the non-offloaded engine, whatever is
+resident, wherever attention and experts run, and however the FFN is grouped."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from moe_engine.config import EngineConfig
+from moe_engine.engine import LLMEngine
+from moe_engine.offload import OffloadSettings, build_offload_pipeline, calibrate_routing
+from moe_engine.request import Request, SamplingParams
+from moe_engine.routing_profile import PROFILE_NAME, RoutingProfile, find_profile
+
+NEW_TOKENS = 10
+PROMPTS = [
+    "Explain how a mixture of experts layer routes tokens.",
+    "hi",
+    "Write a short story about a cat who learns to fly over the city at night.",
+    "What is 2 + 2?",
+    "List three uses of a paged key value cache in batch inference systems.",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    "Why is the sky blue?",
+]
+CONFIG = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
+
+
+def _requests():
+    return [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=NEW_TOKENS))
+            for i, p in enumerate(PROMPTS)]
+
+
+def _tokens(engine) -> dict[str, list[int]]:
+    return {r.request_id: r.token_ids for r in engine.generate(_requests())}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_mixtral_dir):
+    return _tokens(LLMEngine(tiny_mixtral_dir, CONFIG, dtype="float32"))
+
+
+def _offloaded(model_dir, settings: OffloadSettings, **kwargs):
+    engine = LLMEngine(model_dir, CONFIG, dtype="float32")
+    engine.runner = build_offload_pipeline(engine.runner, settings, model_dir=model_dir, **kwargs)
+    return engine
+
+
+@pytest.mark.parametrize("attention_on_device", [False, True])
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.0])
+def test_streamed_experts_give_identical_tokens(tiny_mixtral_dir, reference, ratio,
+                                                attention_on_device):
+    # cpu_experts=False: every non-resident expert crosses the (memcpy) link.
+    settings = OffloadSettings(resident_ratio=ratio, attention_on_device=attention_on_device,
+                               cpu_experts=False, packet_bytes=100_000)
+    engine = _offloaded(tiny_mixtral_dir, settings)
+    assert _tokens(engine) == reference
+    pipe = engine.runner
+    if ratio == 1.0:
+        assert pipe.totals.bytes_moved == 0 and pipe.totals.experts_streamed == 0
+    else:
+        assert pipe.totals.bytes_moved > 0 and pipe.totals.experts_on_cpu == 0
+    if attention_on_device:
+        assert pipe.totals.cpu_attention_time_s == 0
+    else:
+        assert pipe.totals.cpu_attention_time_s > 0
+    pipe.close()
+
+
+def test_experts_placed_on_the_cpu_give_identical_tokens(tiny_mixtral_dir, reference):
+    # On the CPU backend the measured profile keeps every streamed expert on the CPU.
+    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(resident_ratio=0.25))
+    assert _tokens(engine) == reference
+    assert engine.runner.totals.experts_on_cpu > 0
+    engine.runner.close()
+
+
+def test_cpu_ffn_policy_and_per_micro_batch_grouping_give_identical_tokens(tiny_mixtral_dir,
+                                                                          reference):
+    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(resident_ratio=0.5, ffn_on_device=False))
+    assert _tokens(engine) == reference
+    assert engine.runner.totals.experts_on_device == 0
+    engine.runner.close()
+    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(resident_ratio=0.0, cpu_experts=False,
+                                                          group_ffn="micro_batch"))
+    assert _tokens(engine) == reference
+    engine.runner.close()
+
+
+def test_calibrated_profile_is_saved_beside_the_model_and_drives_residency(tiny_mixtral_dir,
+                                                                         tmp_path, reference):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_mixtral_dir, model_dir)
+    profile = calibrate_routing(model_dir, _requests(), CONFIG, dtype="float32")
+    assert (model_dir / PROFILE_NAME).exists()
+    assert find_profile(model_dir) == profile
+    # Every generated and prompt token was routed to top_k experts in every layer.
+    total = sum(profile.counts[0])
+    assert total > 0 and all(sum(row) == total for row in profile.counts)
+    engine = _offloaded(model_dir, OffloadSettings(resident_ratio=0.5, cpu_experts=False))
+    pager = engine.runner.pager
+    for layer in range(profile.num_layers):
+        assert pager.resident[layer] == frozenset(profile.ranking(layer)[:4])
+    assert _tokens(engine) == reference
+    engine.runner.close()
+
+
+def test_read_only_model_dir_saves_the_profile_in_the_cache(tmp_path, monkeypatch):
+    import moe_engine.routing_profile as rp
+
+    model_dir = tmp_path / "ro-model"
+    model_dir.mkdir()
+    assert rp.profile_path(model_dir, tmp_path / "cache") == model_dir.resolve() / PROFILE_NAME
+    # The check is os.access; root passes it even on a 0o555 dir, so answer as a normal user.
+    monkeypatch.setattr(rp.os, "access", lambda path, mode: False)
+    path = rp.profile_path(model_dir, tmp_path / "cache")
+    assert path.is_relative_to(tmp_path / "cache") and path.name == PROFILE_NAME
+    RoutingProfile.uniform(2, 8).save(path)
+    assert rp.find_profile(model_dir, tmp_path / "cache") == RoutingProfile.uniform(2, 8)
+    # A second model gets its own folder.
+    other = tmp_path / "other"
+    other.mkdir()
+    assert rp.profile_path(other, tmp_path / "cache") != path
+
+
+@pytest.fixture(scope="module")
+def tiny_three_layer_dir(tmp_path_factory):
+    """tiny-mixtral with 3 layers: with more layers than ring slots (and an odd count) a
+    failed step can leave both slots claimed, which two layers alone never show."""
+    import moe_engine.checkpoints as ck
+
+    preset = dataclasses.replace(ck.PRESETS["tiny-mixtral"], num_hidden_layers=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ck.PRESETS, "tiny-mixtral-3l", preset)
+        return ck.build_checkpoint("tiny-mixtral-3l", tmp_path_factory.mktemp("m") / "t3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def three_layer_reference(tiny_three_layer_dir):
+    return _tokens(LLMEngine(tiny_three_layer_dir, CONFIG, dtype="float32"))
+
+
+@pytest.mark.parametrize("fail_at", [2, 5])  # the 2nd and 5th attention call of the run
+def test_a_failed_step_leaves_the_pipeline_usable(tiny_three_layer_dir, three_layer_reference,
+                                                  fail_at):
+    expected = three_layer_reference
+    engine = _offloaded(tiny_three_layer_dir,
+                        OffloadSettings(resident_ratio=0.0, cpu_experts=False))
+    runner = engine.runner.runner
+    attend = runner.attend
+    calls = {"n": 0}
+
+    def flaky(layer, mb, act):
+        calls["n"] += 1
+        if calls["n"] == fail_at:  # mid-step, with pages in flight and attention queued
+            raise RuntimeError("injected attention failure")
+        return attend(layer, mb, act)
+
+    runner.attend = flaky
+    failed = list(engine.generate(_requests()))
+    assert any(r.status == "error" and "injected" in r.error for r in failed)
+    runner.attend = attend
+    assert _tokens(engine) == expected
+    engine.runner.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention_on_device", [False, True])
+def test_cuda_pipeline_matches_the_cpu_engine(tiny_mixtral_dir, attention_on_device):
+    """Same prefill logits as the CPU engine (GPU GEMMs round differently, so logits are
+    compared with a tolerance rather than tokens over many steps)."""
+    def first_logits(engine):
+        seen = []
+        engine.logits_observer = lambda seqs, logits: seen.append(
+            {s.request_id: row for s, row in zip(seqs, logits.cpu())})
+        list(engine.generate(_requests()))
+        return seen[0]
+
+    expected = first_logits(LLMEngine(tiny_mixtral_dir, CONFIG, dtype="float32"))
+    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(
+        backend="cuda", resident_ratio=0.5, cpu_experts=False,
+        attention_on_device=attention_on_device))
+    got = first_logits(engine)
+    assert engine.runner.totals.bytes_moved > 0
+    for rid, row in expected.items():
+        assert torch.allclose(got[rid], row, atol=1e-3, rtol=1e-3), rid
+    engine.runner.close()
