@@ -61,7 +61,8 @@ def _policy(args: argparse.Namespace) -> None:
         from moe_engine import perf
 
         model = perf.ModelSpec.from_hf_config(args.model / "config.json")
-        hw = perf.hardware_spec_from_config(cfg.hardware, Path(cfg.resources_dir) / "hardware")
+        hw = perf.hardware_spec_from_config(cfg.hardware, Path(cfg.resources_dir) / "hardware",
+                                            model=model)
         wl = perf.workload_spec_from_lengths(lengths, gen_len)
         result = perf.choose_policy(model, hw, wl, backend=cfg.engine.backend.value)
         chosen = perf.apply_policy(cfg.engine, result)

@@ -52,6 +52,11 @@ class PolicySource(str, Enum):
     config = "config"
 
 
+class FfnGrouping(str, Enum):
+    layer = "layer"  # one GEMM pair per expert over every micro-batch of the layer (Klotski 5)
+    micro_batch = "micro_batch"  # Lightning's order: each micro-batch's FFN on its own
+
+
 @dataclass
 class ModelConfig:
     """Which checkpoint to run. `builtin` names a generated preset; `path` a HF checkpoint dir."""
@@ -123,6 +128,14 @@ class EngineConfig:
     resident_ratio: float = 1.0
     attention_on_device: bool = False
     ffn_on_device: bool = True
+    # Offloading (docs/offload.md). The offload pipeline runs on CUDA, when r_w < 1, with an
+    # emulated link, or when asked for; a fully resident CPU run keeps the plain runner.
+    offload_pipeline: bool = False
+    cpu_experts: bool = True  # Twiddler: a streamed expert may run on the CPU instead
+    group_ffn: FfnGrouping = FfnGrouping.layer
+    device_memory_gb: Optional[float] = None  # the pager's budget; null = unlimited
+    packet_mb: float = 32.0  # largest weight copy in the link at once (MoE-Lens 6.5)
+    emulated_link_gbps: Optional[float] = None  # CPU backend only: simulate a slower link
     checkpoint_every: int = 32
 
 
@@ -232,6 +245,14 @@ def validate(cfg: AppConfig) -> None:
            "must be >= 1")
     _check(0.0 <= e.resident_ratio <= 1.0, "engine.resident_ratio", e.resident_ratio,
            "must be in [0, 1]")
+    _check(e.device_memory_gb is None or e.device_memory_gb > 0, "engine.device_memory_gb",
+           e.device_memory_gb, "must be > 0 (or null for no limit)")
+    _check(e.packet_mb > 0, "engine.packet_mb", e.packet_mb, "must be > 0")
+    _check(e.emulated_link_gbps is None or e.emulated_link_gbps > 0, "engine.emulated_link_gbps",
+           e.emulated_link_gbps, "must be > 0 (or null for no emulated link)")
+    _check(e.emulated_link_gbps is None or e.backend == DeviceKind.cpu,
+           "engine.emulated_link_gbps", e.emulated_link_gbps,
+           "an emulated link exists only on the cpu backend (CUDA has a real one)")
     _check(e.checkpoint_every >= 1, "engine.checkpoint_every", e.checkpoint_every, "must be >= 1")
 
 

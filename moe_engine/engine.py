@@ -6,9 +6,11 @@ sequences immediately so their KV blocks serve the next admissions.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -19,24 +21,32 @@ from moe_engine.kv_cache import BlockAllocator, KVCache, blocks_for_budget
 from moe_engine.model.loader import load_weights, resolve_dtype
 from moe_engine.model.runner import MicroBatchInput, ModelRunner
 from moe_engine.model.spec import load_spec
+from moe_engine.offload import (OffloadSettings, build_offload_pipeline, calibration_requests,
+                                offload_settings, record_routing)
+from moe_engine.pipeline import OffloadPipeline, OffloadStats
 from moe_engine.request import Request, RequestResult
+from moe_engine.routing_profile import find_profile, profile_path
 from moe_engine.sampling import SamplingBatch, sample
 from moe_engine.scheduler import ScheduledStep, Scheduler
 from moe_engine.sequence import Sequence
 from moe_engine.stats import EngineStats
 from moe_engine.tokenization import load_tokenizer
 
+log = logging.getLogger(__name__)
+
 LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
 
 
 class LLMEngine:
-    """Offline batch generation for a HF MoE checkpoint on the CPU backend."""
+    """Offline batch generation for a HF MoE checkpoint.
+
+    A fully resident CPU run uses the plain runner; otherwise (CUDA, r_w < 1, an emulated link,
+    or engine.offload_pipeline) steps go through the offload pipeline. Call `close` (or use the
+    engine as a context manager) to stop its worker threads; a closed engine serves no more.
+    """
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
                  dtype: str = "auto"):
-        backend = getattr(config.backend, "value", config.backend)
-        if backend != "cpu":
-            raise NotImplementedError(f"engine.backend={backend!r}: only the cpu backend exists yet")
         self.config = config
         self.threads = config.threads or os.cpu_count() or 1
         torch.set_num_threads(self.threads)
@@ -53,12 +63,48 @@ class LLMEngine:
         self.runner = ModelRunner(self.spec, weights, cache,
                                   DecodeAttention(config.attention, self.threads),
                                   self.max_model_len, self.dtype)
+        self.offload: Optional[OffloadPipeline] = None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) or frozenset(
             self.spec.eos_token_ids)
         self.stats = EngineStats()
         # Tests and profilers may observe each step's logits (sequences in batch order).
         self.logits_observer: Optional[LogitsObserver] = None
         self._rng = random.Random()
+        settings = offload_settings(config)
+        if settings is not None:
+            self._start_offload(model_dir, settings)
+
+    def _start_offload(self, model_dir: str | os.PathLike, settings: OffloadSettings) -> None:
+        """Put the weights behind a pager and run steps through the offload pipeline. Which
+        experts stay resident follows the model's routing profile; with r_w < 1 and none saved
+        yet, one is recorded first on the bundled prompts (fully resident, on the CPU)."""
+        routing = find_profile(model_dir)
+        if routing is None and settings.resident_ratio < 1.0:
+            requests = calibration_requests()
+            if requests:
+                log.info("no routing profile for %s: recording one on %d bundled prompts",
+                         model_dir, len(requests))
+                routing = record_routing(self, requests)
+                try:
+                    routing.save(profile_path(model_dir))
+                except OSError as exc:  # a read-only model dir must not stop the run
+                    log.warning("could not save the routing profile: %s", exc)
+        self.offload = build_offload_pipeline(self.runner, settings, model_dir=model_dir,
+                                              routing=routing)
+        self.runner = self.offload
+
+    def close(self) -> None:
+        """Stop the offload pipeline's worker threads (a no-op for the plain runner)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload.backend.close()
+            self.offload = None
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def attention_impl(self) -> str:
@@ -72,6 +118,7 @@ class LLMEngine:
         self.stats = EngineStats(kv_blocks_total=self.allocator.num_blocks,
                                  kv_block_size=self.allocator.block_size)
         self.runner.times = type(self.runner.times)()
+        offload_before = replace(self.offload.totals) if self.offload is not None else None
         start = time.perf_counter()
         pending = iter(requests)
         exhausted = False
@@ -95,7 +142,7 @@ class LLMEngine:
                     continue
                 yield from self._step(start)
         finally:
-            self._finish_stats(start)
+            self._finish_stats(start, offload_before)
 
     def _admit(self, request: Request) -> Sequence | RequestResult:
         """Validate and tokenize a request: a Sequence to schedule, or a rejection."""
@@ -263,7 +310,7 @@ class LLMEngine:
         s.kv_blocks_high_water = self.allocator.high_water
         s.record_step(t4 - start)
 
-    def _finish_stats(self, start: float) -> None:
+    def _finish_stats(self, start: float, offload_before: Optional[OffloadStats]) -> None:
         s, times = self.stats, self.runner.times
         s.wall_time_s = time.perf_counter() - start
         s.attention_time_s = times.attention_s
@@ -274,3 +321,8 @@ class LLMEngine:
         s.close_timeline(s.wall_time_s)
         if getattr(self, "scheduler", None) is not None:
             s.preemptions = self.scheduler.num_preemptions
+        if self.offload is not None and offload_before is not None:
+            moved = self.offload.totals.since(offload_before)
+            s.offload = moved.to_dict()
+            s.transfer_wait_time_s = moved.transfer_wait_time_s
+            s.bytes_moved = moved.bytes_moved

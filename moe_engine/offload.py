@@ -35,6 +35,26 @@ class OffloadSettings:
     group_ffn: str = "layer"
 
 
+def offload_settings(config) -> Optional[OffloadSettings]:
+    """The offload knobs of an EngineConfig, or None when the plain runner serves: a fully
+    resident CPU run with no emulated link (the pipeline only adds overhead there unless asked
+    for, see docs/offload.md)."""
+    backend = getattr(config.backend, "value", config.backend)
+    wanted = (backend != "cpu" or config.resident_ratio < 1.0
+              or config.emulated_link_gbps is not None or config.offload_pipeline)
+    if not wanted:
+        return None
+    budget = config.device_memory_gb
+    return OffloadSettings(
+        backend=backend, resident_ratio=config.resident_ratio,
+        attention_on_device=config.attention_on_device, ffn_on_device=config.ffn_on_device,
+        cpu_experts=config.cpu_experts,
+        device_memory_bytes=None if budget is None else int(budget * 1e9),
+        packet_bytes=max(1, int(config.packet_mb * (1 << 20))),
+        emulated_link_gbps=config.emulated_link_gbps,
+        group_ffn=getattr(config.group_ffn, "value", config.group_ffn))
+
+
 # A streamed expert "costs" this much on the CPU when cpu_experts is off: never cheaper.
 _NEVER_ON_CPU = 1e9
 
@@ -124,6 +144,27 @@ def calibration_requests(path: Path = CALIBRATION_CORPUS, limit: int = 32,
     return out
 
 
+def record_routing(engine, requests) -> RoutingProfile:
+    """Run `requests` on `engine` with every expert resident on the CPU backend, recording each
+    layer's routing; the engine's own runner is put back afterwards."""
+    runner = engine.runner
+    spec = engine.spec
+    recorder = RoutingRecorder(spec.num_layers, spec.num_experts)
+    pipe = build_offload_pipeline(runner, OffloadSettings(backend="cpu", resident_ratio=1.0),
+                                  routing=RoutingProfile.uniform(spec.num_layers,
+                                                                 spec.num_experts),
+                                  recorder=recorder)
+    engine.runner = pipe
+    try:
+        for _ in engine.generate(requests):
+            pass
+    finally:
+        pipe.close()
+        pipe.backend.close()
+        engine.runner = runner
+    return recorder.profile()
+
+
 def calibrate_routing(model_dir: str | Path, requests, config=None, dtype: str = "auto",
                       save: bool = True, cache_dir: Optional[str | Path] = None) -> RoutingProfile:
     """Run `requests` fully resident and record every layer's routing; save the profile where
@@ -134,20 +175,9 @@ def calibrate_routing(model_dir: str | Path, requests, config=None, dtype: str =
     from moe_engine.engine import LLMEngine
     from moe_engine.routing_profile import profile_path
 
-    config = replace(config or EngineConfig(), resident_ratio=1.0)
-    engine = LLMEngine(model_dir, config, dtype=dtype)
-    recorder = RoutingRecorder(engine.spec.num_layers, engine.spec.num_experts)
-    settings = OffloadSettings(backend="cpu", resident_ratio=1.0)
-    pipe = build_offload_pipeline(engine.runner, settings, routing=RoutingProfile.uniform(
-        engine.spec.num_layers, engine.spec.num_experts), recorder=recorder)
-    engine.runner = pipe
-    try:
-        for _ in engine.generate(requests):
-            pass
-    finally:
-        pipe.close()
-        pipe.backend.close()
-    profile = recorder.profile()
+    config = replace(config or EngineConfig(), resident_ratio=1.0, backend="cpu",
+                     emulated_link_gbps=None, offload_pipeline=False)
+    profile = record_routing(LLMEngine(model_dir, config, dtype=dtype), requests)
     if save:
         profile.save(profile_path(model_dir, cache_dir))
     return profile

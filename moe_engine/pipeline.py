@@ -59,6 +59,11 @@ class OffloadStats:
         for k, v in asdict(other).items():
             setattr(self, k, getattr(self, k) + v)
 
+    def since(self, earlier: "OffloadStats") -> "OffloadStats":
+        """What was added after `earlier` (a copy of these totals taken before)."""
+        now, then = asdict(self), asdict(earlier)
+        return OffloadStats(**{k: now[k] - then[k] for k in now})
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -144,18 +144,21 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
     engine_stats: dict[str, Any] = {}
     started_at = time.time()
     started = time.perf_counter()
+    owned = None  # an engine made here is closed here (its worker threads)
     try:
         if todo.height:
             if engine is None:
                 from moe_engine.engine import LLMEngine
 
-                engine = LLMEngine(model_dir, engine_config_for(cfg, policy),
-                                   dtype=cfg.model.dtype.value)
+                engine = owned = LLMEngine(model_dir, engine_config_for(cfg, policy),
+                                           dtype=cfg.model.dtype.value)
             _generate_into(engine, build_requests(todo, cfg), todo.height, frame.height, resumed,
                            writer, done, progress)
             engine_stats = engine.stats.to_dict()
     finally:
         writer.close()
+        if owned is not None:
+            owned.close()
     wall = time.perf_counter() - started
 
     outputs = _assemble(frame, done)

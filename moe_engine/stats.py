@@ -32,6 +32,10 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_high_water: int = 0
     kv_block_size: int = 0
+    transfer_wait_time_s: float = 0.0  # compute blocked on weight pages (offload pipeline)
+    bytes_moved: int = 0  # weight bytes that crossed the host->device link
+    # Offload pipeline totals of this call (OffloadStats.to_dict()); empty on the plain runner.
+    offload: dict = field(default_factory=dict)
     timeline: list[tuple[float, int]] = field(default_factory=list)
     max_timeline_points: int = 512
     _timeline_stride: int = 1
