@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resources", type=Path, default=REPO / "resources")
     ap.add_argument("--fast-profile", action="store_true", help="reduced profiler (fewer shapes timed)")
     ap.add_argument("--cached-profile", action="store_true",
-                    help="reuse resources/hardware/<fingerprint>.yaml instead of measuring now")
+                    help="reuse the machine cache's hardware profile instead of measuring now")
     ap.add_argument("--profile-runs", type=int, default=2, choices=(1, 2),
                     help="profile before the run, or before and after (prediction = their mean)")
     ap.add_argument("--threads", type=int, default=0,
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_engine.config import EngineConfig
     from moe_engine.engine import LLMEngine
     from moe_engine.perf import ModelSpec, apply_policy, choose_policy, workload_spec_from_lengths
+    from moe_engine.cache import hardware_cache_dir
     from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
     from moe_engine.perf.profile import ensure_profile, profile_machine, write_profile
     from moe_engine.request import Request, SamplingParams
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = PRESETS[args.model].tokenizer_vocab_size
     prompts = benchmark_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
     wl = workload_spec_from_lengths([len(p) for p in prompts], args.gen)
-    cache = cached_profile_path(args.resources / "hardware")
+    cache = cached_profile_path(hardware_cache_dir())
 
     def measure_and_predict(label: str):
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from moe_engine.cache import hardware_cache_dir
 from moe_engine.config import AppConfig, ConfigError, load_resolved
 
 
@@ -48,12 +49,19 @@ def _shard(args: argparse.Namespace) -> None:
 def _policy(args: argparse.Namespace) -> None:
     import polars as pl
 
+    from moe_engine.corpus import STATUS_PENDING
+
     cfg = load_resolved(args.config)
-    shards = [pl.read_parquet(p) for p in args.shards]
-    frame = pl.concat(shards) if shards else None
-    lengths = frame["prompt_tokens"].to_list() if frame is not None and frame.height else [1]
-    gen_len = int(round(frame["max_new_tokens"].mean())) if frame is not None and frame.height \
-        else cfg.workload.max_new_tokens
+    # Each generate job runs one shard on its own, so the policy is chosen for a shard: the
+    # largest one (its batch bound and memory need are the highest), with every row's own
+    # prompt and generation length (rejected rows generate nothing).
+    frames = [pl.read_parquet(p).filter(pl.col("status") == STATUS_PENDING) for p in args.shards]
+    frame = max(frames, key=lambda f: f.height, default=None)
+    if frame is not None and frame.height:
+        lengths = frame["prompt_tokens"].to_list()
+        gen_len = frame["max_new_tokens"].to_list()
+    else:
+        lengths, gen_len = [1], cfg.workload.max_new_tokens
     engine_knobs = {k: (v.value if hasattr(v, "value") else v) for k, v in cfg.engine.__dict__.items()}
     if cfg.engine.policy.value == "config":
         out = {"source": "config", "engine": engine_knobs}
@@ -61,8 +69,7 @@ def _policy(args: argparse.Namespace) -> None:
         from moe_engine import perf
 
         model = perf.ModelSpec.from_hf_config(args.model / "config.json")
-        hw = perf.hardware_spec_from_config(cfg.hardware, Path(cfg.resources_dir) / "hardware",
-                                            model=model)
+        hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
         wl = perf.workload_spec_from_lengths(lengths, gen_len)
         result = perf.choose_policy(model, hw, wl, backend=cfg.engine.backend.value)
         chosen = perf.apply_policy(cfg.engine, result)

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from moe_engine.cache import default_cache_dir
+
 PROFILE_NAME = "routing_profile.json"
 
 
@@ -90,15 +92,6 @@ class RoutingRecorder:
 
     def profile(self) -> RoutingProfile:
         return RoutingProfile(tuple(tuple(int(x) for x in row) for row in self._counts.tolist()))
-
-
-def default_cache_dir() -> Path:
-    """$MOE_BATCH_CACHE, else $XDG_CACHE_HOME/moe-batch, else ~/.cache/moe-batch."""
-    env = os.environ.get("MOE_BATCH_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moe-batch"
 
 
 def profile_path(model_dir: str | Path, cache_dir: Optional[str | Path] = None) -> Path:

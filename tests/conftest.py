@@ -1,6 +1,7 @@
 """Shared fixtures: the built-in tiny checkpoint, generated once per test session."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_machine_cache(tmp_path_factory):
+    """Hardware and routing profiles go to a per-session cache, never the user's ~/.cache
+    (set in the environment so snakemake's subprocesses see it too)."""
+    before = os.environ.get("MOE_BATCH_CACHE")
+    os.environ["MOE_BATCH_CACHE"] = str(tmp_path_factory.mktemp("machine-cache"))
+    yield Path(os.environ["MOE_BATCH_CACHE"])
+    if before is None:
+        os.environ.pop("MOE_BATCH_CACHE", None)
+    else:
+        os.environ["MOE_BATCH_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

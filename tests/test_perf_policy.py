@@ -168,3 +168,51 @@ def test_prediction_counts_generated_tokens_over_prefill_plus_decode():
     pol = Policy(512, 128, False, True, 0.1)
     pred = predict(MIXTRAL, hw, wl, pol, cpu_backend=False)
     assert pred.throughput_tok_s == pytest.approx(1000 * 64 / (pred.prefill_s + pred.decode_s))
+
+
+def test_batch_occupancy_follows_continuous_batching():
+    from moe_engine.perf.model import batch_occupancy
+
+    # All admitted at once: alive = #requests still decoding; steps = longest - 1.
+    buckets = batch_occupancy((5, 5, 2, 9), 8)
+    assert sum(b.steps for b in buckets) == 8
+    assert sum(b.steps * b.batch for b in buckets) == 4 + 4 + 1 + 8  # decode token-steps
+    # Two slots, three requests of 4 decode steps: the third starts when the first frees.
+    buckets = batch_occupancy((5, 5, 5), 2)
+    assert sum(b.steps for b in buckets) == 8
+    assert {(b.batch, b.steps) for b in buckets} == {(2, 4), (1, 4)}
+    one = next(b for b in buckets if b.batch == 1)
+    assert one.mean_age == pytest.approx(1.5)  # ages 0..3 of the late request
+    # Geometric buckets: a 1000-request run costs a handful of step-time evaluations.
+    many = batch_occupancy(tuple(range(2, 1002)), 512)
+    assert len(many) <= 24
+    assert sum(b.steps * b.batch for b in many) == pytest.approx(sum(range(1, 1001)), rel=0.01)
+
+
+def test_draining_batch_is_slower_than_the_mean_length_suggests():
+    """A few long requests among short ones keep the batch nearly empty for most steps, so
+    per-request lengths must predict lower throughput than their mean applied to everyone."""
+    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.perf import ModelSpec
+
+    m = ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]))
+    hw = load_preset("cpu")
+    gens = [16] * 60 + [256] * 4
+    mixed = workload_spec_from_lengths([100] * 64, gens)
+    assert mixed.gen_len == round(sum(gens) / 64) and mixed.gen_lengths == tuple(gens)
+    uniform = workload_spec_from_lengths([100] * 64, mixed.gen_len)
+    pol = Policy(64, 64, False, True, 1.0)
+    p_mixed = predict(m, hw, mixed, pol, cpu_backend=True)
+    p_uniform = predict(m, hw, uniform, pol, cpu_backend=True)
+    assert p_mixed.throughput_tok_s < 0.6 * p_uniform.throughput_tok_s
+    # Independent reference: 15 decode steps with all 64 in flight (ages 0..14), then 240 with
+    # the 4 long ones (ages 15..254).
+    full = decode_step_times(m, hw, pol, 64, 101 + 7.0, True).total
+    tail = decode_step_times(m, hw, pol, 4, 101 + 134.5, True).total
+    assert p_mixed.decode_s == pytest.approx(15 * full + 240 * tail, rel=0.02)
+    # Same lengths for everyone: the per-request path agrees with the mean-length path.
+    same = dataclasses.replace(uniform, gen_lengths=(uniform.gen_len,) * 64)
+    assert predict(m, hw, same, pol, True).throughput_tok_s == pytest.approx(
+        p_uniform.throughput_tok_s, rel=0.05)
+    with pytest.raises(ValueError, match="generation lengths"):
+        workload_spec_from_lengths([100] * 3, [16, 16])

@@ -45,13 +45,31 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def _overrides(corpus: Path, *more: str) -> str:
+def _overrides(corpus: Path, *more: str, policy: str = "config") -> str:
     return " ".join([f"workload.inputs=[{corpus}]", "workload.max_new_tokens=8",
-                     "engine.policy=config", *more])
+                     f"engine.policy={policy}", *more])
 
 
-def test_full_run_accounts_for_every_row(tmp_path, corpus):
-    run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=3"))
+@pytest.fixture(scope="module")
+def machine_profile():
+    """The machine cache's hardware profile (hardware.profile=auto, the default), measured in
+    the profiler's reduced mode so the policy rule finds it instead of measuring for ~45 s.
+    conftest points the machine cache at a temporary directory."""
+    from moe_engine.cache import hardware_cache_dir
+    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.perf import ModelSpec
+    from moe_engine.perf.hardware import cached_profile_path
+    from moe_engine.perf.profile import ensure_profile
+
+    tiny = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]), name="tiny-mixtral")
+    path = cached_profile_path(hardware_cache_dir())
+    ensure_profile(path, model=tiny, fast=True)
+    return path
+
+
+def test_full_run_accounts_for_every_row(tmp_path, corpus, machine_profile):
+    # The default policy path: performance-model search over the machine's profile.
+    run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=3", policy="search"))
     results = tmp_path / "results"
     merged = pl.read_parquet(results / "generations.parquet")
     lines = corpus.read_bytes().splitlines()
@@ -75,8 +93,15 @@ def test_full_run_accounts_for_every_row(tmp_path, corpus):
         assert (results / name).exists(), name
     summary = json.loads((results / "summary.json").read_text())
     assert summary["rows"] == len(lines) and summary["completion_tokens"] == ok["completion_tokens"].sum()
+    policy = json.loads((results / "policy.json").read_text())
+    assert policy["source"] == "search" and policy["hardware"]["name"].startswith("profiled-")
+    # Chosen for one shard (each generate job runs one): the largest by valid rows.
+    pending = [pl.read_parquet(results / "shards" / f"{i}.parquet")
+               .filter(pl.col("status") == "pending").height for i in range(3)]
+    assert policy["workload"]["num_requests"] == max(pending) < 30
+    assert summary["predicted_tok_s"] > 0 and summary["engine_tok_s"] > 0
     # A second invocation has nothing to do.
-    again = run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=3"))
+    again = run_snakemake(tmp_path, _overrides(corpus, "workload.num_shards=3", policy="search"))
     assert "Nothing to be done" in again.stdout + again.stderr
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .roofline import (ATTN_OPS, HEAD_OPS, PREFILL_OPS_PER_SEQ, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
                        device_processor, expert_ffn_time, o_proj_router_time, pre_attention_time,
@@ -278,10 +279,94 @@ def _decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
     return steps * mean_step, ends[1]
 
 
+@dataclass(frozen=True)
+class OccupancyBucket:
+    """Decode steps that run with about `batch` sequences in flight, whose mean age (tokens
+    generated so far) is `mean_age`."""
+
+    batch: int
+    steps: int
+    mean_age: float
+
+
+@lru_cache(maxsize=64)
+def batch_occupancy(gen_lengths: tuple[int, ...], max_batch: int) -> tuple[OccupancyBucket, ...]:
+    """How full the decode batch is over a bounded run under continuous batching.
+
+    Requests are admitted in order as slots free up (at most `max_batch` in flight); request i
+    decodes g_i - 1 steps (its first token comes from prefill). Steps are grouped by their
+    in-flight count into geometric buckets (1, 2, 3, 4, 6, 8, 12, ...), so a run whose batch
+    drains as short requests finish costs a handful of step-time evaluations, not one per step.
+    """
+    import heapq
+
+    import numpy as np
+
+    decode = [g - 1 for g in gen_lengths]
+    slots = [0] * min(max_batch, len(decode))  # step at which each slot frees up
+    heapq.heapify(slots)
+    starts = np.empty(len(decode), dtype=np.int64)
+    for i, d in enumerate(decode):
+        start = heapq.heappop(slots)
+        starts[i] = start
+        heapq.heappush(slots, start + d)
+    ends = starts + np.asarray(decode, dtype=np.int64)
+    total = int(ends.max()) if len(ends) else 0
+    if total == 0:
+        return ()
+    live = ends > starts
+    alive = np.zeros(total + 1, dtype=np.int64)
+    started = np.zeros(total + 1, dtype=np.int64)  # sum of start steps of the sequences alive
+    np.add.at(alive, starts[live], 1)
+    np.add.at(alive, ends[live], -1)
+    np.add.at(started, starts[live], starts[live])
+    np.add.at(started, ends[live], -starts[live])
+    alive, started = np.cumsum(alive)[:total], np.cumsum(started)[:total]
+    steps = np.arange(total)
+    age = np.where(alive > 0, steps - started / np.maximum(alive, 1), 0.0)
+    # Bucket by in-flight count: edges 1, 2, 3, 4, 6, 8, 12, 16, ... (ratio <= 1.5).
+    edges = sorted({1, 2, 3} | {int(round(2 ** (k / 2))) for k in range(4, 64)
+                                if 2 ** (k / 2) <= max(4, max_batch) * 1.5})
+    which = np.searchsorted(np.asarray(edges), alive, side="right") - 1
+    buckets = []
+    for b in np.unique(which[alive > 0]):
+        sel = (which == b) & (alive > 0)
+        n = int(sel.sum())
+        buckets.append(OccupancyBucket(max(1, int(round(alive[sel].mean()))), n,
+                                       float(age[sel].mean())))
+    return tuple(buckets)
+
+
+def _bounded_decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec,
+                         cpu_backend: bool) -> tuple[float, StepTimes]:
+    """Decode seconds of a bounded run (K requests, per-request generation lengths), summed
+    over its occupancy buckets; returns the time and the fullest bucket's step breakdown."""
+    gens = wl.gen_lengths or (wl.gen_len,) * wl.num_requests
+    total, full = 0.0, None
+    for b in batch_occupancy(tuple(gens), policy.batch_size):
+        step = decode_step_times(m, hw, policy, b.batch, wl.mean_prompt + 1.0 + b.mean_age,
+                                 cpu_backend)
+        total += b.steps * step.total
+        if full is None or b.batch >= full[0]:
+            full = (b.batch, step)
+    if full is None:  # every request ends at its first token
+        return 0.0, decode_step_times(m, hw, policy, 1, wl.mean_prompt + 1.0, cpu_backend)
+    return total, full[1]
+
+
 def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> Prediction:
     """Generation throughput (generated tokens / (prefill + decode time), Lightning 5.1) of a
-    policy. With a bounded request count K the batch runs in ceil(K/N) waves of at most N."""
+    policy. With a bounded request count K the batch runs in ceil(K/N) waves of at most N; with
+    per-request generation lengths the decode batch is followed step by step as it drains
+    (`batch_occupancy`)."""
     mem = memory_use(m, hw, wl, policy, cpu_backend)
+    if wl.gen_lengths:
+        prefill = prefill_time(m, hw, policy, wl, wl.num_requests, cpu_backend)
+        decode, step = _bounded_decode_time(m, hw, policy, wl, cpu_backend)
+        total = prefill + decode
+        tokens = sum(wl.gen_lengths)
+        return Prediction(policy, tokens / total if total > 0 else 0.0, step, prefill, decode, mem,
+                          min(policy.batch_size, wl.num_requests))
     n = policy.batch_size
     k = wl.num_requests
     waves = [(n, k // n), (k % n, 1)] if k else [(n, 1)]

@@ -7,7 +7,7 @@ which), memory read and copy bandwidth, the launch overhead of a small operator,
 pinned host-to-device bandwidth and device GEMM rates. The VM is noisy, so each figure is the
 median of several timed batches.
 
-    python -m moe_engine.perf.profile --out resources/hardware/this.yaml [--model small-mixtral] [--fast]
+    python -m moe_engine.perf.profile [--out this.yaml] [--model small-mixtral] [--fast]
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+
+from moe_engine.cache import hardware_cache_dir
 
 from .hardware import total_memory_bytes, load_profile, machine_fingerprint
 from .specs import GB, ModelSpec
@@ -326,7 +328,8 @@ def resolve_model(arg: str, dtype: str | None = None) -> ModelSpec:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_engine.perf.profile", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="profile YAML to write (default: resources/hardware/<fingerprint>.yaml)")
+    parser.add_argument("--out", type=Path, help="profile YAML to write (default: the machine cache, "
+                        "~/.cache/moe-batch/hardware/<fingerprint>.yaml, which hardware.profile=auto reads)")
     parser.add_argument("--model", action="append", default=[],
                         help="built-in preset or checkpoint dir whose GEMM shapes to measure (repeatable)")
     parser.add_argument("--dtype", default=None, help="override the model dtype (bfloat16, float32)")
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="threads to measure with (0 = all cores)")
     args = parser.parse_args(argv)
     models = [resolve_model(m, args.dtype) for m in args.model] or [_default_model()]
-    out = args.out or Path("resources/hardware") / f"{machine_fingerprint()}.yaml"
+    out = args.out or hardware_cache_dir() / f"{machine_fingerprint()}.yaml"
     data = profile_machine(models, fast=args.fast, threads=args.threads)
     write_profile(data, out)
     print(f"profile written to {out} in {data['profile_seconds']} s: read {data['cpu_bw_gbps']} GB/s, "

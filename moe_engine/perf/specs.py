@@ -293,10 +293,15 @@ class WorkloadSpec:
     gen_len: int
     num_requests: int = 0  # 0 = unbounded (steady state); else the batch is bounded by it
     prompt_lengths: tuple[int, ...] = field(default=(), repr=False)
+    # Per-request generation lengths when they differ (rows with their own max_new_tokens):
+    # the batch then drains as short requests finish, which a mean length cannot show.
+    gen_lengths: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.gen_len < 1:
             raise ValueError(f"gen_len={self.gen_len} must be >= 1")
+        if self.gen_lengths and min(self.gen_lengths) < 1:
+            raise ValueError("every generation length must be >= 1")
         if self.mean_prompt < 0 or self.max_prompt < self.mean_prompt - 1e-9:
             raise ValueError(f"bad prompt statistics mean={self.mean_prompt} max={self.max_prompt}")
 
@@ -312,15 +317,23 @@ class WorkloadSpec:
         return self.mean_prompt ** 2
 
 
-def workload_spec_from_lengths(prompt_lengths: Sequence[int], gen_len: int) -> WorkloadSpec:
-    """Summarize a shard's prompt token counts; the request count bounds the batch."""
+def workload_spec_from_lengths(prompt_lengths: Sequence[int], gen_len: int | Sequence[int]) -> WorkloadSpec:
+    """Summarize a shard's prompt token counts; the request count bounds the batch. `gen_len` is
+    one generation length for all requests or one per request (in the same order)."""
     lengths = tuple(int(x) for x in prompt_lengths)
     if not lengths:
         raise ValueError("workload has no requests")
     if min(lengths) < 0:
         raise ValueError("prompt lengths must be >= 0")
-    return WorkloadSpec(mean_prompt=sum(lengths) / len(lengths), max_prompt=max(lengths), gen_len=int(gen_len),
-                        num_requests=len(lengths), prompt_lengths=lengths)
+    if isinstance(gen_len, (int, float)):
+        return WorkloadSpec(mean_prompt=sum(lengths) / len(lengths), max_prompt=max(lengths),
+                            gen_len=int(gen_len), num_requests=len(lengths), prompt_lengths=lengths)
+    gens = tuple(int(g) for g in gen_len)
+    if len(gens) != len(lengths):
+        raise ValueError(f"{len(gens)} generation lengths for {len(lengths)} prompts")
+    return WorkloadSpec(mean_prompt=sum(lengths) / len(lengths), max_prompt=max(lengths),
+                        gen_len=max(1, round(sum(gens) / len(gens))), num_requests=len(lengths),
+                        prompt_lengths=lengths, gen_lengths=gens)
 
 
 def blocks_for(tokens: float, block_size: int) -> int:
