@@ -81,7 +81,7 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                         "record one with moe_engine.routing_profile (calibration run)")
         routing = RoutingProfile.uniform(spec.num_layers, spec.num_experts)
     if latency is None:
-        proto = runner.weights.layers[0].experts[0]
+        proto = next(layer.experts[0] for layer in runner.weights.layers if layer.experts)
         latency = measure_expert_profile(backend, proto.w13, proto.w2)
     if not settings.cpu_experts:
         latency = _without_cpu_experts(latency)

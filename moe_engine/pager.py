@@ -1,7 +1,8 @@
 """WeightPager: which weights live on the device, and how the rest stream in.
 
 Layout (Lightning A.1, MoE-Lens 6.5):
-- Dense layer weights, embeddings and LM head are resident on the device.
+- Dense layer weights (shared experts and dense layers' MLPs included), embeddings and LM head
+  are resident on the device.
 - Per layer, the round(r_w * E) most-used experts (routing profile) are resident.
 - The other experts of a layer are packed contiguously in a host store (pinned on CUDA), most
   used first, and stream into a device page ring of two layer slots (2x the streamed part of
@@ -23,7 +24,7 @@ from typing import Iterable, Optional
 import torch
 
 from moe_engine.backend import Backend, CopyHandle
-from moe_engine.model.weights import DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights
+from moe_engine.model.weights import ExpertWeights, LayerWeights, ModelWeights
 from moe_engine.routing_profile import RoutingProfile
 
 
@@ -83,12 +84,17 @@ class WeightPager:
         if packet_bytes < 1:
             raise ValueError(f"packet_bytes must be >= 1, got {packet_bytes}")
         layers = weights.layers
-        if profile.num_layers != len(layers) or profile.num_experts != len(layers[0].experts):
+        # Dense layers (Qwen's mlp_only_layers) have no experts: nothing of theirs is paged.
+        moe_layers = {i for i, layer in enumerate(layers) if layer.experts}
+        if not moe_layers:
+            raise ValueError("the model has no expert layers to page")
+        first = layers[min(moe_layers)].experts
+        proto = first[0]
+        if profile.num_layers != len(layers) or profile.num_experts != len(first):
             raise ValueError("routing profile shape does not match the model")
         self.backend = backend
         self.profile = profile
         self.resident_ratio = resident_ratio
-        proto = layers[0].experts[0]
         self._w13_shape, self._w2_shape = tuple(proto.w13.shape), tuple(proto.w2.shape)
         self._w13_numel = proto.w13.numel()
         self.expert_numel = self._w13_numel + proto.w2.numel()
@@ -96,10 +102,11 @@ class WeightPager:
         self.expert_bytes = self.expert_numel * proto.w13.element_size()
         self.packet_numel = max(1, packet_bytes // proto.w13.element_size())
 
-        self.resident = [profile.resident_set(i, resident_ratio) for i in range(len(layers))]
+        self.resident = [profile.resident_set(i, resident_ratio) if i in moe_layers
+                         else frozenset() for i in range(len(layers))]
         # Streamed experts of each layer, hottest first: their order in the host store and ring.
         self.streamed = [[e for e in profile.ranking(i) if e not in self.resident[i]]
-                         for i in range(len(layers))]
+                         if i in moe_layers else [] for i in range(len(layers))]
         slot_experts = max((len(s) for s in self.streamed), default=0)
 
         self.ledger = DeviceLedger(budget_bytes)
@@ -141,9 +148,7 @@ class WeightPager:
         lm_head = embed if tied else self._to_device(weights.lm_head, "lm_head")
         layers = []
         for i, layer in enumerate(weights.layers):
-            d = layer.dense
-            dense = DenseLayerWeights(*(self._to_device(t, f"layer {i} dense") for t in (
-                d.input_norm, d.post_norm, d.wqkv, d.wo, d.router)))
+            dense = layer.dense.map(lambda t, i=i: self._to_device(t, f"layer {i} dense"))
             experts = [ExpertWeights(self._to_device(x.w13, f"layer {i} expert {e}"),
                                      self._to_device(x.w2, f"layer {i} expert {e}"))
                        if e in self.resident[i] else None

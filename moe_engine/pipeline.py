@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine.expert_placement import ExpertPlacer, Place
-from moe_engine.model.layers import moe_ffn, rms_norm, route
+from moe_engine.model.layers import attention_output, ffn_output, moe_ffn, rms_norm, route
 from moe_engine.model.runner import MicroBatchInput, ModelRunner, _Activation
 from moe_engine.model.weights import ExpertWeights
 from moe_engine.pager import WeightPager
@@ -70,11 +70,12 @@ class OffloadStats:
 
 @dataclass
 class _Routed:
-    """A micro-batch after its dense post-attention part: FFN input and routing."""
+    """A micro-batch after its dense post-attention part: FFN input and routing (None in a
+    dense layer)."""
 
     h: torch.Tensor
-    weights: torch.Tensor
-    experts: torch.Tensor
+    weights: Optional[torch.Tensor] = None
+    experts: Optional[torch.Tensor] = None
 
 
 class OffloadPipeline:
@@ -238,18 +239,36 @@ class OffloadPipeline:
         """O projection + residual, post norm, router (the runner's post-attention minus FFN)."""
         with self._device(f"post L{layer} mb{j}", "dense_s"):
             dense = self.runner.weights.layers[layer].dense
-            act.x = act.x + F.linear(act.attn, dense.wo)
+            act.x = act.x + attention_output(dense, act.attn)
             act.attn = None
             h = rms_norm(act.x, dense.post_norm, self.spec.rms_norm_eps)
-            weights, experts = route(dense.router, h, self.spec.top_k)
+            if not self.spec.is_moe_layer(layer):
+                return _Routed(h)
+            weights, experts = route(dense.router, h, self.spec)
         if self.recorder is not None:
             self.recorder.record(layer, experts)
         return _Routed(h, weights, experts)
 
     def _ffn(self, layer: int, acts: list[_Activation], routed: list[_Routed]) -> None:
-        """x += MoE(h) for the given micro-batches, one expert at a time across all of them."""
+        """x += FFN(h) for the given micro-batches: the routed experts one at a time across all
+        of them, then the part held with the dense weights (shared expert or dense MLP)."""
         t_start = time.perf_counter()
         h = torch.cat([r.h for r in routed])
+        out = self._experts(layer, h, routed) if self.spec.is_moe_layer(layer) else None
+        dense = self.runner.weights.layers[layer].dense
+        if dense.holds_ffn:
+            with self._device(f"dense ffn L{layer}"):
+                out = ffn_output(dense, h, out)
+        start = 0
+        for act in acts:
+            end = start + act.x.shape[0]
+            act.x = act.x + out[start:end]
+            start = end
+        self.runner.times.ffn_s += time.perf_counter() - t_start
+
+    def _experts(self, layer: int, h: torch.Tensor, routed: list[_Routed]) -> torch.Tensor:
+        """Sum of the routed experts' outputs, resident and streamed ones on the device, the
+        ones Twiddler places on the CPU there."""
         weights = torch.cat([r.weights for r in routed])
         experts = torch.cat([r.experts for r in routed])
         counts = torch.bincount(experts.reshape(-1), minlength=self.spec.num_experts).tolist()
@@ -273,12 +292,7 @@ class OffloadPipeline:
             tokens, result = job.result()
             self._step.cpu_wait_time_s += time.perf_counter() - t0
             out.index_add_(0, tokens, self.backend.activation_to_device(result))
-        start = 0
-        for act in acts:
-            end = start + act.x.shape[0]
-            act.x = act.x + out[start:end]
-            start = end
-        self.runner.times.ffn_s += time.perf_counter() - t_start
+        return out
 
     def _plan(self, layer: int, counts: list[int]) -> tuple[list[int], list[int]]:
         """Device experts in execution order and CPU experts (Twiddler), pages of CPU experts

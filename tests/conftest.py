@@ -1,4 +1,4 @@
-"""Shared fixtures: the built-in tiny checkpoint, generated once per test session."""
+"""Shared fixtures: the built-in tiny checkpoints, generated once per test session."""
 from __future__ import annotations
 
 import os
@@ -35,11 +35,25 @@ def hermetic_machine_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory) -> Path:
-    """The `tiny-mixtral` preset, seed 0, from the bundled corpus (single safetensors file)."""
+def builtin_dir(tmp_path_factory):
+    """builtin_dir(preset): the built-in preset, seed 0, single safetensors file, built once."""
     from moe_engine.checkpoints import build_checkpoint
 
-    return build_checkpoint("tiny-mixtral", tmp_path_factory.mktemp("models") / "tiny-mixtral", seed=0)
+    built: dict[str, Path] = {}
+
+    def build(preset: str) -> Path:
+        if preset not in built:
+            built[preset] = build_checkpoint(preset, tmp_path_factory.mktemp("models") / preset,
+                                             seed=0)
+        return built[preset]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(builtin_dir) -> Path:
+    """The `tiny-mixtral` preset, seed 0, from the bundled corpus (single safetensors file)."""
+    return builtin_dir("tiny-mixtral")
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,12 @@ import torch
 
 from moe_engine.checkpoints import (INDEX_NAME, PRESETS, build_checkpoint, ensure_builtin,
                                     generate_state_dict)
+from moe_engine.model.arch import ARCHITECTURES
+from moe_engine.model.spec import load_spec
 from moe_engine.tokenization import load_tokenizer
 from moe_engine.tokenizer_builder import corpus_texts
 
+TINY_PRESETS = sorted(p for p in PRESETS if p.startswith("tiny-"))
 EXPECTED_FILES = {"config.json", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "special_tokens_map.json", "builtin.json"}
 
@@ -44,18 +47,56 @@ def test_directory_has_hf_layout(tiny_mixtral_dir):
     assert size_mb < 16, f"tiny checkpoint should be a few MB, is {size_mb:.1f} MB"
 
 
-def test_transformers_loads_every_tensor(tiny_mixtral_dir):
+def test_every_architecture_has_one_tiny_preset():
+    tiny = [PRESETS[p].architecture for p in TINY_PRESETS]
+    assert sorted(tiny) == sorted(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_transformers_loads_every_tensor(builtin_dir, preset):
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), output_loading_info=True)
+    model_dir = builtin_dir(preset)
+    model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert type(model).__name__ == "MixtralForCausalLM"
+    assert type(model).__name__ == PRESETS[preset].architecture
     assert model.dtype == torch.float32
     # The loaded weights are the generated ones (not a fresh random init that happens to load).
-    state = generate_state_dict(PRESETS["tiny-mixtral"], seed=0,
-                                text_vocab=load_tokenizer(tiny_mixtral_dir).hf.vocab_size)
+    state = generate_state_dict(PRESETS[preset], seed=0,
+                                text_vocab=load_tokenizer(model_dir).hf.vocab_size)
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in state.values())
     torch.testing.assert_close(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
     torch.testing.assert_close(model.lm_head.weight, state["lm_head.weight"])
+    size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
+    assert size_mb < 16, f"tiny checkpoint should be a few MB, is {size_mb:.1f} MB"
+
+
+def test_tiny_presets_have_their_architecture_features(builtin_dir):
+    qwen2 = load_spec(builtin_dir("tiny-qwen2-moe"))
+    assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.norm_topk_prob
+    assert qwen2.shared_expert_intermediate_size > 0 and qwen2.dense_layers == (1,)
+    qwen3 = load_spec(builtin_dir("tiny-qwen3-moe"))
+    assert qwen3.qk_norm == "head" and qwen3.norm_topk_prob and not qwen3.qkv_bias
+    assert qwen3.q_size != qwen3.hidden_size  # head_dim comes from the config
+    olmoe = load_spec(builtin_dir("tiny-olmoe"))
+    assert olmoe.qk_norm == "projection" and not olmoe.norm_topk_prob
+    assert (olmoe.num_experts, olmoe.top_k) == (64, 8)
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_performance_model_counts_the_tiny_checkpoint(builtin_dir, preset):
+    from moe_engine.perf import ModelSpec as PerfSpec
+
+    model_dir = builtin_dir(preset)
+    spec = load_spec(model_dir)
+    perf = PerfSpec.from_hf_config(model_dir)
+    assert (perf.num_layers, perf.num_experts, perf.top_k, perf.head_dim, perf.dtype_bytes) == (
+        spec.num_layers, spec.num_experts, spec.top_k, spec.head_dim, 4)
+    assert perf.num_moe_layers == spec.num_layers - len(spec.dense_layers)
+    assert perf.shared_intermediate == spec.shared_expert_intermediate_size
+    state = generate_state_dict(PRESETS[preset], seed=0,
+                                text_vocab=PRESETS[preset].tokenizer_vocab_size)
+    assert perf.total_params == sum(t.numel() for t in state.values())
 
 
 def test_sharded_checkpoint_loads_with_same_logits(tiny_mixtral_dir, tiny_mixtral_sharded_dir):

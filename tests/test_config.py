@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_engine.checkpoints import PRESETS
 from moe_engine.config import (AppConfig, ConfigError, DeviceKind, compose, load_resolved,
                                save_resolved, save_resolved_if_changed)
 
@@ -20,6 +21,12 @@ def test_overrides_string_is_split_like_a_shell():
     assert cfg.model.builtin == "small-mixtral"
     assert cfg.engine.kv_cache_gb == 2.5
     assert cfg.workload.stop == ["END", "STOP"]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_builtin_preset_is_a_model_option(preset):
+    cfg = compose(f"model={preset}")
+    assert cfg.model.builtin == cfg.model.name == preset and cfg.model.path is None
 
 
 @pytest.mark.parametrize("override, key", [

@@ -1,4 +1,5 @@
-"""Model math pieces against transformers: RoPE variants from config, dtype handling."""
+"""Model pieces against transformers: RoPE variants and per-architecture flags from config,
+dense-layer rules, dtype handling, unsupported architectures."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,9 @@ import torch
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine import LLMEngine
+from moe_engine.model.arch import ARCHITECTURES, UnsupportedArchitectureError
 from moe_engine.model.layers import rope_inv_freq
+from moe_engine.model.loader import load_weights
 from moe_engine.model.spec import load_spec
 from moe_engine.request import Request, SamplingParams
 
@@ -63,3 +66,55 @@ def test_bfloat16_engine_tracks_float32_logits(tiny_mixtral_dir):
         assert r.status == "ok"
     diff = (logits["float32"] - logits["bfloat16"]).abs().max().item()
     assert diff < 0.1 * logits["float32"].abs().max().item()
+
+
+def test_unsupported_architecture_is_named_before_anything_loads(tmp_path):
+    # Only a config.json: the error must come from the architecture check, not a missing file.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_experts_per_tok": 2}))
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        LLMEngine(tmp_path, EngineConfig(threads=1, kv_cache_gb=0.01))
+    message = str(err.value)
+    assert "DeepseekV2ForCausalLM" in message
+    assert all(name in message for name in ARCHITECTURES)
+
+
+@pytest.mark.parametrize("model_type,sparse_step,mlp_only", [
+    ("qwen2_moe", 1, [1]), ("qwen2_moe", 2, []), ("qwen3_moe", 3, [0, 4]), ("qwen3_moe", 1, [])])
+def test_dense_layers_are_the_ones_transformers_builds_as_mlp(tmp_path, model_type, sparse_step,
+                                                              mlp_only):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=16, hidden_size=16, intermediate_size=8,
+                               moe_intermediate_size=4, shared_expert_intermediate_size=8,
+                               num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                               num_experts=4, num_experts_per_tok=2,
+                               decoder_sparse_step=sparse_step, mlp_only_layers=mlp_only)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path)
+    spec = load_spec(tmp_path)
+    mlp_layers = tuple(i for i, layer in enumerate(model.model.layers)
+                       if not hasattr(layer.mlp, "experts"))
+    assert spec.dense_layers == mlp_layers
+    assert spec.dense_intermediate_size == 8 and spec.intermediate_size == 4
+    # Only Qwen2-MoE reads shared_expert_intermediate_size (the Qwen3 config carries it too).
+    assert spec.shared_expert_intermediate_size == (8 if model_type == "qwen2_moe" else 0)
+    # The saved checkpoint (per-expert names, dense MLPs, shared experts) loads completely.
+    weights = load_weights(tmp_path, spec, torch.float32)
+    assert [len(layer.experts) for layer in weights.layers] == [
+        0 if i in mlp_layers else 4 for i in range(6)]
+
+
+def test_qwen2_moe_config_without_qkv_bias_key_has_biases(tmp_path):
+    # Hub Qwen1.5-MoE configs omit qkv_bias; transformers defaults it to true.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 10,
+        "hidden_size": 64, "intermediate_size": 32, "moe_intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "use_sliding_window": False, "sliding_window": 4096}))
+    spec = load_spec(tmp_path)
+    assert spec.qkv_bias and not spec.o_bias and not spec.norm_topk_prob
+    assert spec.sliding_window is None
+    assert spec.shared_expert_intermediate_size == 5632  # transformers' default, as for the bias

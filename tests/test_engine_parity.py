@@ -1,7 +1,9 @@
-"""Token and logit parity with transformers on the built-in tiny checkpoint (fp32)."""
+"""Token and logit parity with transformers on the built-in tiny checkpoint of every supported
+architecture (fp32)."""
 from __future__ import annotations
 
-import json
+import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import moe_engine.checkpoints as ck
 from moe_engine.config import EngineConfig
 from moe_engine.engine import LLMEngine
 from moe_engine.kv_cache import kv_bytes_per_token
@@ -16,6 +19,8 @@ from moe_engine.model import load_spec, load_weights
 from moe_engine.request import Request, SamplingParams
 
 NEW_TOKENS = 12
+# One per supported architecture (test_checkpoints checks that).
+TINY_PRESETS = sorted(p for p in ck.PRESETS if p.startswith("tiny-"))
 PROMPTS = [
     "Explain how a mixture of experts layer routes tokens.",
     "hi",
@@ -35,25 +40,28 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_mixtral_dir):
-    from transformers import MixtralForCausalLM
-
-    return MixtralForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32).eval()
+@pytest.fixture(scope="module", params=TINY_PRESETS)
+def model_dir(request, builtin_dir):
+    return builtin_dir(request.param)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_mixtral_dir):
-    return LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
-                                                    num_micro_batches=2), dtype="float32")
+def _hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_model, engine):
+def engine(model_dir):
+    return LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
+                                             num_micro_batches=2), dtype="float32")
+
+
+def _hf_generate(hf_model, tokenizer, prompts) -> dict[str, tuple]:
     """Greedy tokens and per-step logits of transformers' generate, one prompt at a time."""
     refs = {}
-    for i, prompt in enumerate(PROMPTS):
-        ids = engine.tokenizer.encode_prompt(prompt)
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.encode_prompt(prompt)
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                     max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
@@ -61,6 +69,11 @@ def hf_reference(hf_model, engine):
         tokens = out.sequences[0, len(ids):].tolist()
         refs[str(i)] = (ids, tokens, [lg[0].float() for lg in out.logits])
     return refs
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_dir, engine):
+    return _hf_generate(_hf_model(model_dir), engine.tokenizer, PROMPTS)
 
 
 def _requests(indices, **sampling):
@@ -74,7 +87,8 @@ def _run(engine, requests):
     return results
 
 
-def test_greedy_tokens_and_step_logits_match_transformers(engine, hf_reference):
+def _assert_matches(engine, hf_reference, requests) -> None:
+    """The engine's greedy tokens equal transformers', and every step's logits are within 1e-4."""
     captured: dict[str, list[torch.Tensor]] = {}
 
     def observe(seqs, logits):
@@ -83,11 +97,9 @@ def test_greedy_tokens_and_step_logits_match_transformers(engine, hf_reference):
 
     engine.logits_observer = observe
     try:
-        results = _run(engine, _requests(range(len(PROMPTS))))
+        results = _run(engine, requests)
     finally:
         engine.logits_observer = None
-    assert len(results) == len(PROMPTS) >= 12
-    assert len({len(ids) for ids, _, _ in hf_reference.values()}) >= 8  # varied lengths
     for rid, (ids, tokens, logits) in hf_reference.items():
         assert results[rid].prompt_token_ids == ids
         assert results[rid].token_ids == tokens, rid
@@ -97,6 +109,12 @@ def test_greedy_tokens_and_step_logits_match_transformers(engine, hf_reference):
             assert diff <= 1e-4, f"request {rid} step {step}: max |logit diff| {diff}"
 
 
+def test_greedy_tokens_and_step_logits_match_transformers(engine, hf_reference):
+    assert len(PROMPTS) >= 12
+    assert len({len(ids) for ids, _, _ in hf_reference.values()}) >= 8  # varied lengths
+    _assert_matches(engine, hf_reference, _requests(range(len(PROMPTS))))
+
+
 def test_same_tokens_alone_and_in_another_batch(engine, hf_reference):
     alone = _run(engine, _requests([2]))
     other = _run(engine, _requests([2, 5, 9, 0, 11]))
@@ -104,14 +122,14 @@ def test_same_tokens_alone_and_in_another_batch(engine, hf_reference):
     assert other["9"].token_ids == hf_reference["9"][1]
 
 
-def test_same_tokens_when_kv_budget_forces_preemption(tiny_mixtral_dir, hf_reference):
-    spec = load_spec(tiny_mixtral_dir)
+def test_same_tokens_when_kv_budget_forces_preemption(model_dir, hf_reference):
+    spec = load_spec(model_dir)
     block_size = 4
     longest = max(len(ids) for ids, _, _ in hf_reference.values()) + NEW_TOKENS
     num_blocks = (longest + block_size - 1) // block_size + 6  # room for ~2 sequences
     budget = num_blocks * block_size * kv_bytes_per_token(spec, torch.float32) / 2**30
-    small = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=budget,
-                                                     block_size=block_size), dtype="float32")
+    small = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=budget,
+                                              block_size=block_size), dtype="float32")
     assert small.allocator.num_blocks == num_blocks
     results = _run(small, _requests(range(len(PROMPTS))))
     assert small.stats.preemptions > 0
@@ -145,31 +163,64 @@ def test_sharded_checkpoint_loads_the_same_weights(tiny_mixtral_dir, tiny_mixtra
                    for x, y in zip(la.experts, lb.experts))
 
 
-def test_fused_expert_layout_of_transformers5_loads_the_same(tiny_mixtral_dir, tmp_path):
+_EXPERT_TENSOR = re.compile(
+    r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_PROJECTION = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
+               "down_proj": "down"}
+
+
+def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path):
     """Checkpoints saved with the in-memory names (mlp.experts.gate_up_proj) load identically."""
-    src = Path(tiny_mixtral_dir)
+    src = Path(model_dir)
     state = load_file(str(src / "model.safetensors"))
     spec = load_spec(src)
-    fused = {}
+    fused, experts = {}, {}
     for name, t in state.items():
-        if ".block_sparse_moe.experts." in name:
-            continue
-        fused[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}.block_sparse_moe.experts"
-        w1 = [state[f"{p}.{e}.w1.weight"] for e in range(spec.num_experts)]
-        w3 = [state[f"{p}.{e}.w3.weight"] for e in range(spec.num_experts)]
-        w2 = [state[f"{p}.{e}.w2.weight"] for e in range(spec.num_experts)]
+        m = _EXPERT_TENSOR.fullmatch(name)
+        if m:
+            experts.setdefault(int(m[1]), {})[(_PROJECTION[m[3]], int(m[2]))] = t
+        else:
+            fused[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+    for layer, w in experts.items():
+        def stack(proj):
+            return torch.stack([w[(proj, e)] for e in range(spec.num_experts)])
+
         fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat(
-            [torch.stack(w1), torch.stack(w3)], dim=1)
-        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(w2)
+            [stack("gate"), stack("up")], dim=1)
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = stack("down")
+    assert len(experts) == spec.num_layers - len(spec.dense_layers)
     save_file(fused, str(tmp_path / "model.safetensors"))
     shutil.copy(src / "config.json", tmp_path / "config.json")
     a = load_weights(src, spec, torch.float32)
     b = load_weights(tmp_path, spec, torch.float32)
     for la, lb in zip(a.layers, b.layers):
-        assert torch.equal(la.dense.router, lb.dense.router)
+        assert all(torch.equal(x, y) for x, y in zip(la.dense.tensors(), lb.dense.tensors()))
+        assert len(la.experts) == len(lb.experts)
         assert all(torch.equal(x.w13, y.w13) and torch.equal(x.w2, y.w2)
                    for x, y in zip(la.experts, lb.experts))
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "mixtral"
 
+
+# Flags the tiny presets leave at their hub values, switched on: Qwen3 with q/k/v/o biases and
+# decoder_sparse_step=2 (layer 0 dense), OLMoE with clip_qkv low enough to clip.
+VARIANTS = {
+    "qwen3-bias-sparse-step": ("tiny-qwen3-moe", dict(attention_bias=True, decoder_sparse_step=2)),
+    "olmoe-clip-qkv": ("tiny-olmoe", dict(clip_qkv=1.5)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_architecture_flags_match_transformers(variant, tmp_path):
+    base, changes = VARIANTS[variant]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ck.PRESETS, variant, dataclasses.replace(ck.PRESETS[base], **changes))
+        model_dir = ck.build_checkpoint(variant, tmp_path / variant, seed=0)
+    spec = load_spec(model_dir)
+    if variant == "olmoe-clip-qkv":
+        assert spec.clip_qkv == 1.5
+    else:
+        assert spec.qkv_bias and spec.o_bias and spec.dense_layers == (0,)
+    engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
+    indices = [0, 1, 6]
+    reference = _hf_generate(_hf_model(model_dir), engine.tokenizer, [PROMPTS[i] for i in indices])
+    reference = {str(i): reference[str(k)] for k, i in enumerate(indices)}
+    _assert_matches(engine, reference, _requests(indices))

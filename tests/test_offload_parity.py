@@ -1,5 +1,6 @@
 """The offloaded pipeline generates exactly the tokens of the non-offloaded engine, whatever is
-resident, wherever attention and experts run, and however the FFN is grouped."""
+resident, wherever attention and experts run, and however the FFN is grouped, for every
+supported architecture (dense layers and shared experts stay resident)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,10 @@ import shutil
 import pytest
 import torch
 
+from moe_engine.checkpoints import PRESETS
 from moe_engine.config import EngineConfig
 from moe_engine.engine import LLMEngine
+from moe_engine.model import load_spec
 from moe_engine.offload import OffloadSettings, build_offload_pipeline, calibrate_routing
 from moe_engine.request import Request, SamplingParams
 from moe_engine.routing_profile import PROFILE_NAME, RoutingProfile, find_profile
@@ -25,6 +28,7 @@ PROMPTS = [
     "Why is the sky blue?",
 ]
 CONFIG = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
+TINY_PRESETS = sorted(p for p in PRESETS if p.startswith("tiny-"))  # one per architecture
 
 
 def _requests():
@@ -36,9 +40,14 @@ def _tokens(engine) -> dict[str, list[int]]:
     return {r.request_id: r.token_ids for r in engine.generate(_requests())}
 
 
+@pytest.fixture(scope="module", params=TINY_PRESETS)
+def model_dir(request, builtin_dir):
+    return builtin_dir(request.param)
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_mixtral_dir):
-    return _tokens(LLMEngine(tiny_mixtral_dir, CONFIG, dtype="float32"))
+def reference(model_dir):
+    return _tokens(LLMEngine(model_dir, CONFIG, dtype="float32"))
 
 
 def _offloaded(model_dir, settings: OffloadSettings, **kwargs):
@@ -47,14 +56,20 @@ def _offloaded(model_dir, settings: OffloadSettings, **kwargs):
     return engine
 
 
-@pytest.mark.parametrize("attention_on_device", [False, True])
-@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.0])
-def test_streamed_experts_give_identical_tokens(tiny_mixtral_dir, reference, ratio,
+# Where attention runs does not depend on the architecture: both places for Mixtral only.
+STREAMED_CASES = [(preset, ratio, on_device) for preset in TINY_PRESETS
+                  for ratio in (1.0, 0.5, 0.0) for on_device in (False, True)
+                  if preset == "tiny-mixtral" or not on_device]
+
+
+@pytest.mark.parametrize("model_dir,ratio,attention_on_device", STREAMED_CASES,
+                         indirect=["model_dir"])
+def test_streamed_experts_give_identical_tokens(model_dir, reference, ratio,
                                                 attention_on_device):
     # cpu_experts=False: every non-resident expert crosses the (memcpy) link.
     settings = OffloadSettings(resident_ratio=ratio, attention_on_device=attention_on_device,
                                cpu_experts=False, packet_bytes=100_000)
-    engine = _offloaded(tiny_mixtral_dir, settings)
+    engine = _offloaded(model_dir, settings)
     assert _tokens(engine) == reference
     pipe = engine.runner
     if ratio == 1.0:
@@ -68,40 +83,47 @@ def test_streamed_experts_give_identical_tokens(tiny_mixtral_dir, reference, rat
     pipe.close()
 
 
-def test_experts_placed_on_the_cpu_give_identical_tokens(tiny_mixtral_dir, reference):
+def test_experts_placed_on_the_cpu_give_identical_tokens(model_dir, reference):
     # On the CPU backend the measured profile keeps every streamed expert on the CPU.
-    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(resident_ratio=0.25))
+    engine = _offloaded(model_dir, OffloadSettings(resident_ratio=0.25))
     assert _tokens(engine) == reference
     assert engine.runner.totals.experts_on_cpu > 0
     engine.runner.close()
 
 
-def test_cpu_ffn_policy_and_per_micro_batch_grouping_give_identical_tokens(tiny_mixtral_dir,
+def test_cpu_ffn_policy_and_per_micro_batch_grouping_give_identical_tokens(model_dir,
                                                                           reference):
-    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(resident_ratio=0.5, ffn_on_device=False))
+    engine = _offloaded(model_dir, OffloadSettings(resident_ratio=0.5, ffn_on_device=False))
     assert _tokens(engine) == reference
     assert engine.runner.totals.experts_on_device == 0
     engine.runner.close()
-    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(resident_ratio=0.0, cpu_experts=False,
-                                                          group_ffn="micro_batch"))
+    engine = _offloaded(model_dir, OffloadSettings(resident_ratio=0.0, cpu_experts=False,
+                                                   group_ffn="micro_batch"))
     assert _tokens(engine) == reference
     engine.runner.close()
 
 
-def test_calibrated_profile_is_saved_beside_the_model_and_drives_residency(tiny_mixtral_dir,
+def test_calibrated_profile_is_saved_beside_the_model_and_drives_residency(model_dir,
                                                                          tmp_path, reference):
-    model_dir = tmp_path / "model"
-    shutil.copytree(tiny_mixtral_dir, model_dir)
-    profile = calibrate_routing(model_dir, _requests(), CONFIG, dtype="float32")
-    assert (model_dir / PROFILE_NAME).exists()
-    assert find_profile(model_dir) == profile
-    # Every generated and prompt token was routed to top_k experts in every layer.
-    total = sum(profile.counts[0])
-    assert total > 0 and all(sum(row) == total for row in profile.counts)
-    engine = _offloaded(model_dir, OffloadSettings(resident_ratio=0.5, cpu_experts=False))
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    profile = calibrate_routing(copy, _requests(), CONFIG, dtype="float32")
+    assert (copy / PROFILE_NAME).exists()
+    assert find_profile(copy) == profile
+    # Every generated and prompt token was routed to top_k experts in every MoE layer; dense
+    # layers route nothing and page nothing.
+    spec = load_spec(copy)
+    moe = [i for i in range(spec.num_layers) if spec.is_moe_layer(i)]
+    total = sum(profile.counts[moe[0]])
+    assert total > 0 and all(sum(profile.counts[i]) == (total if i in moe else 0)
+                             for i in range(spec.num_layers))
+    engine = _offloaded(copy, OffloadSettings(resident_ratio=0.5, cpu_experts=False))
     pager = engine.runner.pager
+    half = spec.num_experts // 2
     for layer in range(profile.num_layers):
-        assert pager.resident[layer] == frozenset(profile.ranking(layer)[:4])
+        expected = profile.ranking(layer)[:half] if layer in moe else []
+        assert pager.resident[layer] == frozenset(expected)
+        assert layer in moe or not pager.streamed[layer]
     assert _tokens(engine) == reference
     engine.runner.close()
 
@@ -167,7 +189,7 @@ def test_a_failed_step_leaves_the_pipeline_usable(tiny_three_layer_dir, three_la
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention_on_device", [False, True])
-def test_cuda_pipeline_matches_the_cpu_engine(tiny_mixtral_dir, attention_on_device):
+def test_cuda_pipeline_matches_the_cpu_engine(model_dir, attention_on_device):
     """Same prefill logits as the CPU engine (GPU GEMMs round differently, so logits are
     compared with a tolerance rather than tokens over many steps)."""
     def first_logits(engine):
@@ -177,8 +199,8 @@ def test_cuda_pipeline_matches_the_cpu_engine(tiny_mixtral_dir, attention_on_dev
         list(engine.generate(_requests()))
         return seen[0]
 
-    expected = first_logits(LLMEngine(tiny_mixtral_dir, CONFIG, dtype="float32"))
-    engine = _offloaded(tiny_mixtral_dir, OffloadSettings(
+    expected = first_logits(LLMEngine(model_dir, CONFIG, dtype="float32"))
+    engine = _offloaded(model_dir, OffloadSettings(
         backend="cuda", resident_ratio=0.5, cpu_experts=False,
         attention_on_device=attention_on_device))
     got = first_logits(engine)

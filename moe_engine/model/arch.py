@@ -1,9 +1,13 @@
-"""Per-architecture tensor name tables: checkpoint tensor name -> engine slot.
+"""Per-architecture facts: tensor name tables and what config.json leaves implicit.
 
-A table is data, not code: supporting another MoE family (issue 8) means adding a table and,
-where the math differs, a flag on ModelSpec. Slots:
+A table is data, not code: checkpoint tensor name -> engine slot. Where the math differs, a
+flag on ModelSpec says so; the flag is read from config.json, and an `Architecture` only
+supplies what the config cannot (the kind of q/k norm, transformers' defaults for keys a hub
+config may omit). Slots:
   global: embed, final_norm, lm_head
-  layer:  input_norm, post_norm, q, k, v, o, router
+  layer:  input_norm, post_norm, q, k, v, o, router; q_bias, k_bias, v_bias, o_bias;
+          q_norm, k_norm; mlp_w1/w3/w2 (a dense layer's MLP); shared_w1/w3/w2 and
+          shared_expert_gate (Qwen2-MoE's shared expert)
   expert: w1 (gate), w3 (up), w2 (down), one tensor per expert
   fused:  gate_up [E, 2*I, H] and down [E, H, I], the layout transformers 5 uses in memory
 """
@@ -11,7 +15,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+Rule = tuple[str, str, str]  # (regex, scope, slot)
 
 
 @dataclass(frozen=True)
@@ -27,41 +33,139 @@ class NameMatch:
 _L = r"model\.layers\.(?P<layer>\d+)\."
 _E = r"(?P<expert>\d+)"
 
-# Mixtral: legacy hub names (block_sparse_moe.experts.E.w1) and the transformers 5 in-memory
-# names (mlp.experts.gate_up_proj), so both kinds of saved checkpoints load.
-MIXTRAL_TABLE: tuple[tuple[str, str, str], ...] = (
+_GLOBAL: tuple[Rule, ...] = (
     (r"model\.embed_tokens\.weight", "global", "embed"),
     (r"model\.norm\.weight", "global", "final_norm"),
     (r"lm_head\.weight", "global", "lm_head"),
+)
+_NORMS_AND_ATTENTION: tuple[Rule, ...] = (
     (_L + r"input_layernorm\.weight", "layer", "input_norm"),
     (_L + r"post_attention_layernorm\.weight", "layer", "post_norm"),
     (_L + r"self_attn\.q_proj\.weight", "layer", "q"),
     (_L + r"self_attn\.k_proj\.weight", "layer", "k"),
     (_L + r"self_attn\.v_proj\.weight", "layer", "v"),
     (_L + r"self_attn\.o_proj\.weight", "layer", "o"),
-    (_L + r"(?:block_sparse_moe|mlp)\.gate\.weight", "layer", "router"),
-    (_L + r"block_sparse_moe\.experts\." + _E + r"\.w1\.weight", "expert", "w1"),
-    (_L + r"block_sparse_moe\.experts\." + _E + r"\.w2\.weight", "expert", "w2"),
-    (_L + r"block_sparse_moe\.experts\." + _E + r"\.w3\.weight", "expert", "w3"),
-    (_L + r"(?:block_sparse_moe|mlp)\.experts\.gate_up_proj", "fused", "gate_up"),
-    (_L + r"(?:block_sparse_moe|mlp)\.experts\.down_proj", "fused", "down"),
+)
+_ATTENTION_BIAS: tuple[Rule, ...] = tuple(
+    (_L + rf"self_attn\.{p}_proj\.bias", "layer", f"{p}_bias") for p in "qkvo")
+_QK_NORM: tuple[Rule, ...] = (
+    (_L + r"self_attn\.q_norm\.weight", "layer", "q_norm"),
+    (_L + r"self_attn\.k_norm\.weight", "layer", "k_norm"),
 )
 
-ARCH_TABLES: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "MixtralForCausalLM": MIXTRAL_TABLE,
+
+def _swiglu(prefix: str, slot: str) -> tuple[Rule, ...]:
+    """gate/up/down projections of a SwiGLU MLP module named `prefix` (Llama-style names)."""
+    return ((_L + prefix + r"\.gate_proj\.weight", "layer", f"{slot}_w1"),
+            (_L + prefix + r"\.up_proj\.weight", "layer", f"{slot}_w3"),
+            (_L + prefix + r"\.down_proj\.weight", "layer", f"{slot}_w2"))
+
+
+_DENSE_MLP = _swiglu("mlp", "mlp")
+_SHARED_EXPERT = _swiglu(r"mlp\.shared_expert", "shared") + (
+    (_L + r"mlp\.shared_expert_gate\.weight", "layer", "shared_expert_gate"),)
+
+
+def _routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Router and experts: the hub's per-expert names under `block` and the transformers 5
+    in-memory names (mlp.experts.gate_up_proj), so both kinds of saved checkpoints load."""
+    either = rf"(?:{block}|mlp)"
+    return (
+        (_L + either + r"\.gate\.weight", "layer", "router"),
+        (_L + rf"{block}\.experts\.{_E}\.{gate}\.weight", "expert", "w1"),
+        (_L + rf"{block}\.experts\.{_E}\.{down}\.weight", "expert", "w2"),
+        (_L + rf"{block}\.experts\.{_E}\.{up}\.weight", "expert", "w3"),
+        (_L + either + r"\.experts\.gate_up_proj", "fused", "gate_up"),
+        (_L + either + r"\.experts\.down_proj", "fused", "down"),
+    )
+
+
+_QWEN_EXPERTS = _routed_experts("mlp", "gate_proj", "up_proj", "down_proj")
+
+_COMMON = _GLOBAL + _NORMS_AND_ATTENTION
+
+MIXTRAL_TABLE = _COMMON + _routed_experts("block_sparse_moe", "w1", "w3", "w2")
+QWEN2_MOE_TABLE = _COMMON + _ATTENTION_BIAS + _QWEN_EXPERTS + _SHARED_EXPERT + _DENSE_MLP
+QWEN3_MOE_TABLE = _COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS + _DENSE_MLP
+OLMOE_TABLE = _COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """An architecture's name table plus what its config.json does not say.
+
+    config_keys: the architecture's own config keys the engine reads, each with transformers'
+    default for a config that omits it; keys not listed are ignored, as transformers ignores
+    them (a Qwen3 config carrying shared_expert_intermediate_size has no shared expert).
+    fixed: values of such keys the architecture implies without reading a key.
+    qk_norm: None, "head" (RMSNorm of each q/k head, Qwen3) or "projection" (one RMSNorm over
+    the whole q and k projections, OLMoE). router_weights_fp32: Mixtral scales expert outputs by
+    the fp32 router weights; the others cast them to the model dtype first.
+    """
+
+    model_type: str
+    names: tuple[Rule, ...]
+    config_keys: tuple[tuple[str, Any], ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+    qk_norm: Optional[str] = None
+    router_weights_fp32: bool = False
+
+    def own_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The architecture-specific settings of `cfg`, defaults filled in."""
+        return {**dict(self.fixed), **{k: cfg.get(k, default) for k, default in self.config_keys}}
+
+
+_QWEN_SPARSITY = (("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", []))
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "MixtralForCausalLM": Architecture("mixtral", MIXTRAL_TABLE, fixed=(("norm_topk_prob", True),),
+                                       router_weights_fp32=True),
+    "Qwen2MoeForCausalLM": Architecture(
+        "qwen2_moe", QWEN2_MOE_TABLE,
+        # Hub Qwen1.5-MoE configs omit qkv_bias; the checkpoints have the biases.
+        config_keys=(("qkv_bias", True), ("shared_expert_intermediate_size", 5632))
+        + _QWEN_SPARSITY),
+    "Qwen3MoeForCausalLM": Architecture(
+        "qwen3_moe", QWEN3_MOE_TABLE, config_keys=(("attention_bias", False),) + _QWEN_SPARSITY,
+        qk_norm="head"),
+    "OlmoeForCausalLM": Architecture(
+        "olmoe", OLMOE_TABLE,
+        config_keys=(("attention_bias", False), ("clip_qkv", None), ("norm_topk_prob", False)),
+        qk_norm="projection"),
 }
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's `architectures` names a model the engine has no table for."""
+
+
+def architecture(name: str) -> Architecture:
+    """The facts of architecture `name`; raises naming it and the supported ones otherwise."""
+    if name not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"unsupported architecture {name!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def architecture_name(cfg: dict[str, Any]) -> str:
+    """A config's architecture: `architectures[0]`, else the one of its model_type (a config
+    saved without its model has no `architectures`)."""
+    if cfg.get("architectures"):
+        return str(cfg["architectures"][0])
+    model_type = cfg.get("model_type")
+    for name, arch in ARCHITECTURES.items():
+        if arch.model_type == model_type:
+            return name
+    return str(model_type)
 
 
 class NameTable:
     """Compiled name table of one architecture."""
 
-    def __init__(self, architecture: str):
-        if architecture not in ARCH_TABLES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}; supported: {sorted(ARCH_TABLES)}")
-        self.architecture = architecture
+    def __init__(self, name: str):
+        self.architecture = name
         self._rules = [(re.compile(p + r"$"), scope, slot)
-                       for p, scope, slot in ARCH_TABLES[architecture]]
+                       for p, scope, slot in architecture(name).names]
 
     def match(self, name: str) -> Optional[NameMatch]:
         """Map a checkpoint tensor name to its slot, or None for tensors the engine ignores."""

@@ -1,11 +1,13 @@
-"""The math of a Mixtral-style decoder layer as plain functions over packed tokens [T, ...].
+"""The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
-Mirrors transformers' modeling_mixtral numerically (RMSNorm in fp32, router softmax in fp32,
-top-k weights renormalised) so fp32 runs match it to rounding.
+Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE numerically (RMSNorm in fp32,
+router softmax in fp32, top-k weights renormalised where the spec says so) so fp32 runs match
+them to rounding. Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,21 +82,65 @@ class RotaryTable:
 def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
                    rope: RotaryTable, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused q|k|v GEMM plus RoPE; returns q [T, nq, d], k and v [T, nkv, d]."""
-    qkv = F.linear(h, dense.wqkv)
+    """Fused q|k|v GEMM (+ bias), q/k norm and clipping where the spec has them, RoPE;
+    returns q [T, nq, d], k and v [T, nkv, d]."""
+    qkv = F.linear(h, dense.wqkv, dense.bqkv)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    eps = spec.rms_norm_eps
+    if spec.qk_norm == "projection":
+        q, k = rms_norm(q, dense.q_norm, eps), rms_norm(k, dense.k_norm, eps)
+    if spec.clip_qkv is not None:
+        c = spec.clip_qkv
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
     t = h.shape[0]
-    q = rope.apply(q.reshape(t, spec.num_heads, spec.head_dim), positions)
-    k = rope.apply(k.reshape(t, spec.num_kv_heads, spec.head_dim), positions)
-    return q, k, v.reshape(t, spec.num_kv_heads, spec.head_dim)
+    q = q.reshape(t, spec.num_heads, spec.head_dim)
+    k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm == "head":
+        q, k = rms_norm(q, dense.q_norm, eps), rms_norm(k, dense.k_norm, eps)
+    return (rope.apply(q, positions), rope.apply(k, positions),
+            v.reshape(t, spec.num_kv_heads, spec.head_dim))
 
 
-def route(router: torch.Tensor, h: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral router: softmax over all experts in fp32, top-k, renormalise the k weights."""
+def attention_output(dense: DenseLayerWeights, attn: torch.Tensor) -> torch.Tensor:
+    """O projection (+ bias) of the attention output [T, q_size]."""
+    return F.linear(attn, dense.wo, dense.bo)
+
+
+def route(router: torch.Tensor, h: torch.Tensor, spec: ModelSpec
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, top-k, renormalise the k weights if the spec says so.
+
+    Weights stay fp32 for Mixtral; the other architectures cast them to the activations' dtype
+    before scaling the expert outputs (same result in fp32).
+    """
     probs = torch.softmax(F.linear(h, router).float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not spec.router_weights_fp32:
+        weights = weights.to(h.dtype)
     return weights, experts
+
+
+def swiglu(mlp: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate|up fused in one GEMM."""
+    gate, up = F.linear(x, mlp.w13).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, mlp.w2)
+
+
+def ffn_output(dense: DenseLayerWeights, h: torch.Tensor,
+               routed: Optional[torch.Tensor]) -> torch.Tensor:
+    """A layer's FFN output from its routed part and the part held with its dense weights.
+
+    A dense layer (routed None) runs its MLP; a MoE layer adds its shared expert, scaled by
+    sigmoid(shared_expert_gate(h)), to the routed sum when it has one (Qwen2-MoE).
+    """
+    if routed is None:
+        return swiglu(dense.mlp, h)
+    if dense.shared_expert is None:
+        return routed
+    gate = torch.sigmoid(F.linear(h, dense.shared_expert_gate))
+    return routed + gate * swiglu(dense.shared_expert, h)
 
 
 def moe_ffn(experts: list[ExpertWeights], h: torch.Tensor, weights: torch.Tensor,
@@ -116,11 +162,9 @@ def moe_ffn(experts: list[ExpertWeights], h: torch.Tensor, weights: torch.Tensor
         if n == 0:
             continue
         end = start + n
-        gate_up = F.linear(gathered[start:end], experts[e].w13)
-        gate, up = gate_up.chunk(2, dim=-1)
-        outs[start:end] = F.linear(F.silu(gate) * up, experts[e].w2)
+        outs[start:end] = swiglu(experts[e], gathered[start:end])
         start = end
-    # Weighting in fp32 then casting mirrors transformers (router weights are fp32).
+    # Weighting then casting mirrors transformers (in fp32 when the router weights are).
     scaled = (outs * weights.reshape(-1)[order, None]).to(h.dtype)
     out = torch.zeros_like(h)
     out.index_add_(0, token_of, scaled)

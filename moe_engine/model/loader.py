@@ -68,24 +68,60 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype) -> 
         lm_head = glob["embed"]
     layers = []
     for i in range(spec.num_layers):
-        d = layer[i]
-        missing = {"input_norm", "post_norm", "q", "k", "v", "o", "router"} - d.keys()
-        if missing:
-            raise ValueError(f"{model_dir}: layer {i} lacks {sorted(missing)}")
-        dense = DenseLayerWeights(
-            input_norm=d["input_norm"], post_norm=d["post_norm"],
-            wqkv=torch.cat([d["q"], d["k"], d["v"]], dim=0).contiguous(),
-            wo=d["o"].contiguous(), router=d["router"].contiguous())
+        dense = _dense_layer(layer[i], spec, i, model_dir)
         experts = []
-        for e in range(spec.num_experts):
+        for e in range(spec.num_experts if spec.is_moe_layer(i) else 0):
             x = expert.get((i, e), {})
             if not {"w1", "w2", "w3"} <= x.keys():
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete")
-            experts.append(ExpertWeights(
-                w13=torch.cat([x["w1"], x["w3"]], dim=0).contiguous(), w2=x["w2"].contiguous()))
+            experts.append(_swiglu(x))
         layers.append(LayerWeights(dense, experts))
     return ModelWeights(embed=glob["embed"], final_norm=glob["final_norm"], lm_head=lm_head,
                         layers=layers)
+
+
+def _required_slots(spec: ModelSpec, layer: int) -> set[str]:
+    """Slots layer `layer` must have under the spec's flags."""
+    need = {"input_norm", "post_norm", "q", "k", "v", "o"}
+    if spec.qkv_bias:
+        need |= {"q_bias", "k_bias", "v_bias"}
+    if spec.o_bias:
+        need.add("o_bias")
+    if spec.qk_norm is not None:
+        need |= {"q_norm", "k_norm"}
+    if not spec.is_moe_layer(layer):
+        return need | {"mlp_w1", "mlp_w2", "mlp_w3"}
+    need.add("router")
+    if spec.shared_expert_intermediate_size:
+        need |= {"shared_w1", "shared_w2", "shared_w3", "shared_expert_gate"}
+    return need
+
+
+def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
+                 model_dir: Path) -> DenseLayerWeights:
+    missing = _required_slots(spec, i) - d.keys()
+    if missing:
+        raise ValueError(f"{model_dir}: layer {i} lacks {sorted(missing)}")
+    moe = spec.is_moe_layer(i)
+    shared = moe and spec.shared_expert_intermediate_size > 0
+    return DenseLayerWeights(
+        input_norm=d["input_norm"], post_norm=d["post_norm"],
+        wqkv=torch.cat([d["q"], d["k"], d["v"]], dim=0).contiguous(),
+        wo=d["o"].contiguous(),
+        router=d["router"].contiguous() if moe else None,
+        bqkv=torch.cat([d["q_bias"], d["k_bias"], d["v_bias"]]) if spec.qkv_bias else None,
+        bo=d["o_bias"] if spec.o_bias else None,
+        q_norm=d["q_norm"] if spec.qk_norm else None,
+        k_norm=d["k_norm"] if spec.qk_norm else None,
+        mlp=None if moe else _swiglu(d, "mlp_"),
+        shared_expert=_swiglu(d, "shared_") if shared else None,
+        shared_expert_gate=d["shared_expert_gate"].contiguous() if shared else None)
+
+
+def _swiglu(d: dict[str, torch.Tensor], prefix: str = "") -> ExpertWeights:
+    """Fuse gate (w1) and up (w3) of the MLP whose slots start with `prefix`."""
+    return ExpertWeights(w13=torch.cat([d[prefix + "w1"], d[prefix + "w3"]], dim=0).contiguous(),
+                         w2=d[prefix + "w2"].contiguous())
 
 
 def _split_fused(slot: str, t: torch.Tensor, layer: int,

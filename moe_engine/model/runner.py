@@ -2,7 +2,8 @@
 
 Each layer runs per micro-batch in three parts that a pipelined backend (issue 5, CGOPipe) will
 interleave across micro-batches: pre-attention (norm + QKV + RoPE), attention (prefill SDPA /
-paged decode) and post-attention (O projection + MoE FFN grouped by expert).
+paged decode) and post-attention (O projection + FFN: experts grouped by expert, plus what
+the dense weights hold, a shared expert or a dense layer's whole MLP).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from moe_engine.attention import DecodeAttention, prefill_attention
 from moe_engine.kv_cache import KVCache
-from moe_engine.model.layers import RotaryTable, moe_ffn, qkv_projection, rms_norm, route
+from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, moe_ffn,
+                                     qkv_projection, rms_norm, route)
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ModelWeights
 
@@ -113,14 +115,16 @@ class ModelRunner:
         self.times.attention_s += time.perf_counter() - t0
 
     def post_attention(self, layer: int, mb: MicroBatchInput, act: _Activation) -> None:
-        """O projection + residual, post norm, routed MoE FFN + residual."""
+        """O projection + residual, post norm, FFN (routed experts and/or dense part) + residual."""
         t0 = time.perf_counter()
         lw = self.weights.layers[layer]
-        x = act.x + F.linear(act.attn, lw.dense.wo)
+        x = act.x + attention_output(lw.dense, act.attn)
         act.attn = None
         h = rms_norm(x, lw.dense.post_norm, self.spec.rms_norm_eps)
-        weights, experts = route(lw.dense.router, h, self.spec.top_k)
+        moe = self.spec.is_moe_layer(layer)
+        routing = route(lw.dense.router, h, self.spec) if moe else None
         t1 = time.perf_counter()
         self.times.dense_s += t1 - t0
-        act.x = x + moe_ffn(lw.experts, h, weights, experts)
+        routed = moe_ffn(lw.experts, h, *routing) if moe else None
+        act.x = x + ffn_output(lw.dense, h, routed)
         self.times.ffn_s += time.perf_counter() - t1

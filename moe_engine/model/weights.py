@@ -2,18 +2,22 @@
 
 The split is what a weight pager (issue 5) swaps: a layer's dense part is small and always
 resident; each expert is an independent unit that can be resident, streamed, or computed on the
-CPU. Projections are fused at load time (q|k|v, w1|w3) so a step runs one GEMM each.
+CPU. Projections are fused at load time (q|k|v, w1|w3) so a step runs one GEMM each. A dense
+layer's MLP and a shared expert are part of the dense weights: every token uses them, so they
+are never paged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Iterator, Optional
 
 import torch
 
 
 @dataclass
 class ExpertWeights:
-    """One SwiGLU expert: w13 = [gate; up] of shape [2*I, H], w2 = down of shape [H, I]."""
+    """One SwiGLU MLP (a routed expert, a shared expert or a dense layer's MLP):
+    w13 = [gate; up] of shape [2*I, H], w2 = down of shape [H, I]."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -24,23 +28,55 @@ class ExpertWeights:
 
 @dataclass
 class DenseLayerWeights:
-    """The non-expert part of a decoder layer."""
+    """The non-expert part of a decoder layer; the optional parts exist where the
+    architecture (ModelSpec flags) has them."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     wqkv: torch.Tensor  # [q_size + 2*kv_size, H]
     wo: torch.Tensor  # [H, q_size]
-    router: torch.Tensor  # [E, H]
+    router: Optional[torch.Tensor] = None  # [E, H]; None in a dense layer
+    bqkv: Optional[torch.Tensor] = None  # [q_size + 2*kv_size]
+    bo: Optional[torch.Tensor] = None  # [H]
+    q_norm: Optional[torch.Tensor] = None  # [head_dim] or [q_size], see ModelSpec.qk_norm
+    k_norm: Optional[torch.Tensor] = None
+    mlp: Optional[ExpertWeights] = None  # the FFN of a dense layer
+    shared_expert: Optional[ExpertWeights] = None
+    shared_expert_gate: Optional[torch.Tensor] = None  # [1, H]
+
+    @property
+    def holds_ffn(self) -> bool:
+        """Whether part of the layer's FFN lives here (a dense MLP or a shared expert)."""
+        return self.mlp is not None or self.shared_expert is not None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ExpertWeights):
+                yield value.w13
+                yield value.w2
+            elif value is not None:
+                yield value
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "DenseLayerWeights":
+        """A copy with `fn` applied to every tensor (e.g. moved to the device)."""
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ExpertWeights):
+                changes[f.name] = ExpertWeights(fn(value.w13), fn(value.w2))
+            elif value is not None:
+                changes[f.name] = fn(value)
+        return replace(self, **changes)
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.input_norm, self.post_norm, self.wqkv, self.wo,
-                                      self.router))
+        return sum(t.nbytes for t in self.tensors())
 
 
 @dataclass
 class LayerWeights:
     dense: DenseLayerWeights
-    experts: list[ExpertWeights]
+    experts: list[ExpertWeights]  # empty in a dense layer
 
     def nbytes(self) -> int:
         return self.dense.nbytes() + sum(e.nbytes() for e in self.experts)
