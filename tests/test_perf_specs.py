@@ -105,3 +105,12 @@ def test_hardware_spec_from_config_uses_figures_or_profile(tmp_path):
     assert spec.name == "measured" and spec.cpu_bw == pytest.approx(11e9)
     assert spec.cpu_attention_bw == pytest.approx(9e9) and spec.op_overhead_s == pytest.approx(3e-6)
     assert len(spec.gemm_points) == 1
+
+
+def test_resaved_qwen3_config_with_num_local_experts_parses():
+    """transformers 5 re-saves a Qwen3-MoE config with `num_local_experts`, not `num_experts`."""
+    from moe_engine.perf.reference_models import REFERENCE_CONFIGS
+
+    cfg = dict(REFERENCE_CONFIGS["qwen3-30b-a3b"])
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    assert ModelSpec.from_hf_config(cfg).num_experts == 128

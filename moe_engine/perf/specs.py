@@ -44,6 +44,7 @@ class ModelSpec:
     top_k: int
     expert_intermediate: int
     shared_intermediate: int = 0
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(h -> 1) gate on the shared expert
     num_moe_layers: int = -1
     dense_intermediate: int = 0
     vocab_size: int = 32000
@@ -79,7 +80,8 @@ class ModelSpec:
 
     @property
     def shared_params(self) -> int:
-        return 3 * self.hidden_size * self.shared_intermediate
+        gate = self.hidden_size if self.shared_expert_gate and self.shared_intermediate else 0
+        return 3 * self.hidden_size * self.shared_intermediate + gate
 
     @property
     def dense_mlp_params(self) -> int:
@@ -169,6 +171,15 @@ def _moe_layer_count(num_layers: int, sparse_step: int, mlp_only: Sequence[int])
     return sum(1 for i in range(num_layers) if i not in set(mlp_only) and (i + 1) % sparse_step == 0)
 
 
+def _num_experts(cfg: dict[str, Any]) -> int:
+    """Routed experts: `num_experts` in hub Qwen/OLMoE configs; transformers 5 re-saves some
+    of them as `num_local_experts`."""
+    value = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not value:
+        raise UnsupportedModelError("config.json has neither num_experts nor num_local_experts")
+    return int(value)
+
+
 def model_spec_from_dict(cfg: dict[str, Any], *, dtype: str | None = None, name: str | None = None) -> ModelSpec:
     """Build a ModelSpec from a parsed config.json dict (see ModelSpec.from_hf_config)."""
     model_type = cfg.get("model_type")
@@ -218,18 +229,18 @@ def model_spec_from_dict(cfg: dict[str, Any], *, dtype: str | None = None, name:
                          expert_intermediate=int(cfg["intermediate_size"]))
     if model_type == "olmoe":
         return ModelSpec(**common, num_kv_heads=n_kv, head_dim=d, v_head_dim=d,
-                         attn_params_per_layer=attn + 2 * n_q * d,  # q/k RMSNorm weights
-                         num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                         attn_params_per_layer=attn + (n_q + n_kv) * d,  # q/k RMSNorm weights
+                         num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                          expert_intermediate=int(cfg["intermediate_size"]))
     # qwen2_moe and qwen3_moe share the sparse-layer rule; qwen2_moe adds a gated shared expert.
     n_moe = _moe_layer_count(layers, int(cfg.get("decoder_sparse_step", 1)), cfg.get("mlp_only_layers") or [])
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     if model_type == "qwen3_moe":
         attn += 2 * d  # q_norm / k_norm
-    router_extra = h if shared else 0  # shared_expert_gate: h -> 1
-    return ModelSpec(**common, num_kv_heads=n_kv, head_dim=d, v_head_dim=d, attn_params_per_layer=attn + router_extra,
-                     num_experts=int(cfg["num_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+    return ModelSpec(**common, num_kv_heads=n_kv, head_dim=d, v_head_dim=d, attn_params_per_layer=attn,
+                     num_experts=_num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
                      expert_intermediate=int(cfg["moe_intermediate_size"]), shared_intermediate=shared,
+                     shared_expert_gate=bool(shared),
                      num_moe_layers=n_moe, dense_intermediate=int(cfg.get("intermediate_size", 0)))
 
 
