@@ -19,17 +19,18 @@ from moe_engine.attention import DecodeAttention
 from moe_engine.config import EngineConfig
 from moe_engine.kv_cache import BlockAllocator, KVCache, blocks_for_budget
 from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.runner import MicroBatchInput, ModelRunner
+from moe_engine.model.runner import ModelRunner
 from moe_engine.model.spec import load_spec
 from moe_engine.offload import (OffloadSettings, build_offload_pipeline, calibration_requests,
                                 offload_settings, record_routing)
 from moe_engine.pipeline import OffloadPipeline, OffloadStats
 from moe_engine.request import Request, RequestResult
 from moe_engine.routing_profile import find_profile, profile_path
-from moe_engine.sampling import SamplingBatch, sample
+from moe_engine.sampling import sample
 from moe_engine.scheduler import ScheduledStep, Scheduler
 from moe_engine.sequence import Sequence
 from moe_engine.stats import EngineStats
+from moe_engine.step_inputs import micro_batch_input, sampling_batch
 from moe_engine.tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -190,14 +191,14 @@ class LLMEngine:
             raise RuntimeError("scheduler produced an empty step with work pending "
                                "(KV cache too small for any waiting sequence)")
         seqs = step.sequences
-        inputs = [self._prepare(mb) for mb in step.micro_batches]
+        inputs = [micro_batch_input(mb, self.allocator.block_size) for mb in step.micro_batches]
         t1 = time.perf_counter()
         try:
             logits = self.runner.forward(inputs)
             t2 = time.perf_counter()
             if self.logits_observer is not None:
                 self.logits_observer(seqs, logits)
-            tokens = sample(logits, self._sampling_batch(seqs)).tolist()
+            tokens = sample(logits, sampling_batch(seqs)).tolist()
         except Exception as exc:  # fail the step's sequences, keep the engine serving
             for seq in seqs:
                 self.scheduler.finish(seq)
@@ -216,54 +217,6 @@ class LLMEngine:
         self._record_step(step, len(seqs), t0, t1, t2, t3, t4, start)
         for seq in finished:
             yield self._result(seq)
-
-    def _prepare(self, seqs: list[Sequence]) -> MicroBatchInput:
-        """Packed inputs of one micro-batch (prefills first, as the scheduler ordered them)."""
-        bs = self.allocator.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefill_lens: list[int] = []
-        tables: list[list[int]] = []
-        ctx: list[int] = []
-        last: list[int] = []
-        for seq in seqs:
-            table = seq.block_table
-            if seq.is_prefill:
-                n = seq.num_tokens
-                ids.extend(seq.token_ids)
-                positions.extend(range(n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(n))
-                prefill_lens.append(n)
-            else:
-                p = seq.num_tokens - 1
-                ids.append(seq.token_ids[-1])
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-                tables.append(table)
-                ctx.append(seq.num_tokens)
-            last.append(len(ids) - 1)
-        block_tables = context_lens = None
-        if tables:
-            width = max(len(t) for t in tables)
-            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                        dtype=torch.int32)
-            context_lens = torch.tensor(ctx, dtype=torch.int32)
-        return MicroBatchInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            prefill_lens=prefill_lens, num_decode=len(tables), block_tables=block_tables,
-            context_lens=context_lens, logits_indices=torch.tensor(last, dtype=torch.int64))
-
-    @staticmethod
-    def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch(
-            temperature=torch.tensor([s.sampling.temperature for s in seqs], dtype=torch.float32),
-            top_p=torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32),
-            top_k=torch.tensor([s.sampling.top_k for s in seqs], dtype=torch.int64),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
-            positions=torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64))
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:
         sp = seq.sampling

@@ -216,3 +216,20 @@ def test_draining_batch_is_slower_than_the_mean_length_suggests():
         p_uniform.throughput_tok_s, rel=0.05)
     with pytest.raises(ValueError, match="generation lengths"):
         workload_spec_from_lengths([100] * 3, [16, 16])
+
+
+def test_engine_loop_overhead_is_added_per_step_and_per_sequence():
+    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.perf import ModelSpec
+
+    m = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]))
+    hw = load_preset("cpu")
+    looped = dataclasses.replace(hw, host_step_s=1e-4, host_seq_s=2e-5)
+    pol = Policy(64, 64, False, True, 1.0)
+    for n in (1, 64):
+        base = decode_step_times(m, hw, pol, n, 100.0, True)
+        more = decode_step_times(m, looped, pol, n, 100.0, True)
+        assert more.total - base.total == pytest.approx(1e-4 + n * 2e-5)
+        assert more.t_host == pytest.approx(1e-4 + n * 2e-5) and base.t_host == 0.0
+    slow_loop = dataclasses.replace(hw, host_step_s=10.0)
+    assert decode_step_times(m, slow_loop, pol, 8, 100.0, True).bottleneck == "host loop"

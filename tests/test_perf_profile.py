@@ -31,7 +31,8 @@ def test_profile_measures_every_shape_and_the_machine(tiny, tiny_profile):
     shapes = {(r["inp"], r["out"]) for r in on_disk["gemm"]}
     assert set(gemm_shapes(tiny)) <= shapes
     assert all(r["gflops"] > 0 for r in on_disk["gemm"])
-    for key in ("cpu_bw_gbps", "link_gbps", "device_tflops", "cpu_attention_gbps", "op_overhead_us"):
+    for key in ("cpu_bw_gbps", "link_gbps", "device_tflops", "cpu_attention_gbps", "op_overhead_us",
+                "host_step_us", "host_seq_us", "host_token_us"):
         assert on_disk[key] > 0, key
     assert on_disk["attention_kernel"] in ("cython", "torch")
     assert on_disk["profile_seconds"] < 60
@@ -66,3 +67,14 @@ def test_cli_writes_profile(tmp_path, capsys):
     assert main(["--out", str(out), "--model", "tiny-mixtral", "--fast"]) == 0
     assert "profile written" in capsys.readouterr().out
     assert yaml.safe_load(out.read_text())["models"] == ["tiny-mixtral"]
+
+
+def test_cached_profile_without_host_figures_is_extended(tiny, tiny_profile, tmp_path):
+    """Profiles written before the engine-loop figures existed gain them on next use."""
+    _, data = tiny_profile
+    old = {k: v for k, v in data.items() if not k.startswith("host_")}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    again = ensure_profile(path, model=tiny, fast=True)
+    assert all(again[k] > 0 for k in ("host_step_us", "host_seq_us", "host_token_us"))
+    assert again["gemm"] == data["gemm"]  # nothing else re-measured

@@ -22,7 +22,7 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
-    keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us) are read when present."""
+    keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us, host_*_us) are read when present."""
     device = fig.get("device", "cpu")
     device = getattr(device, "value", device)
     return HardwareSpec(
@@ -34,6 +34,9 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         gemm_points=_points(fig.get("gemm") or ()), cpu_gemm_points=_points(fig.get("cpu_gemm") or ()),
         cpu_attention_bw=float(fig["cpu_attention_gbps"]) * GB if fig.get("cpu_attention_gbps") else None,
         op_overhead_s=float(fig.get("op_overhead_us", 0.0)) * 1e-6,
+        host_step_s=float(fig.get("host_step_us", 0.0)) * 1e-6,
+        host_seq_s=float(fig.get("host_seq_us", 0.0)) * 1e-6,
+        host_token_s=float(fig.get("host_token_us", 0.0)) * 1e-6,
         notes=str(fig.get("attention_kernel", "")),
     )
 

@@ -55,10 +55,11 @@ class StepTimes:
     t_gpu: float
     t_head: float
     total: float
+    t_host: float = 0.0  # the engine loop's own work (scheduling, inputs, sampling)
 
     @property
     def bottleneck(self) -> str:
-        named = {"link": self.t_io, "cpu": self.t_cpu, "device": self.t_gpu}
+        named = {"link": self.t_io, "cpu": self.t_cpu, "device": self.t_gpu, "host loop": self.t_host}
         return max(named, key=named.get)
 
 
@@ -233,7 +234,10 @@ def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: 
         totals = [totals[0] + count * io, totals[1] + count * c, totals[2] + count * g]
         step += count * ((c + g) if cpu_backend else max(io, c, g))
     head = head_time(m, hw, n_tokens, cpu_backend)
-    return StepTimes(totals[0], totals[1], totals[2], head, step + head)
+    # The engine loop runs between steps on the host, overlapping nothing (the next step's
+    # inputs depend on this step's tokens).
+    host = hw.host_step_s + n_tokens * hw.host_seq_s
+    return StepTimes(totals[0], totals[1], totals[2], head, step + head + host, host)
 
 
 def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,
@@ -263,7 +267,9 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
             io_out = total_tokens * m.kv_bytes_per_token_layer * (1.0 - policy.kv_device_ratio) / hw.link_bw
             layer_compute = max(layer_compute, io_in, io_out)
         compute += count * layer_compute
-    return compute + passes * head_time(m, hw, int(math.ceil(chunk / max(1.0, wl.mean_prompt))), cpu_backend)
+    seqs_per_pass = int(math.ceil(chunk / max(1.0, wl.mean_prompt)))
+    host = passes * (hw.host_step_s + seqs_per_pass * hw.host_seq_s) + total_tokens * hw.host_token_s
+    return compute + passes * head_time(m, hw, seqs_per_pass, cpu_backend) + host
 
 
 def _decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,

@@ -161,6 +161,55 @@ def measure_op_overhead(hidden: int = 1024, dtype_bytes: int = 4) -> float:
     return _median_time(norm, 0.02, 5) / 8
 
 
+def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 64,
+                          batches: tuple[int, int] = (1, 128), steps: int = 24) -> dict[str, float]:
+    """Host-side seconds the engine loop spends per step outside the model: scheduling, packing
+    the step's inputs, sampling (argmax over the vocabulary) and appending the tokens. Measured
+    on the engine's own code (scheduler, step_inputs, sampling) at two decode batch sizes and
+    split into a per-step and a per-sequence part; a prefill pass costs per prompt token
+    (`host_token_s`). Small models on a CPU spend a fifth of a step here."""
+    import torch
+
+    from moe_engine.kv_cache import BlockAllocator
+    from moe_engine.request import SamplingParams
+    from moe_engine.sampling import sample
+    from moe_engine.scheduler import Scheduler
+    from moe_engine.sequence import Sequence
+    from moe_engine.step_inputs import micro_batch_input, sampling_batch
+
+    def engine_step(scheduler: Scheduler, logits_of: dict[int, torch.Tensor]) -> None:
+        step = scheduler.schedule()
+        for mb in step.micro_batches:
+            micro_batch_input(mb, block_size)
+        seqs = step.sequences
+        tokens = sample(logits_of[len(seqs)], sampling_batch(seqs)).tolist()
+        for seq, token in zip(seqs, tokens):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(token)
+
+    def run(n: int) -> tuple[float, float]:
+        allocator = BlockAllocator(n * ((prompt + steps + 2) // block_size + 2) + 8, block_size)
+        scheduler = Scheduler(allocator, n, n * prompt)
+        greedy = SamplingParams(max_new_tokens=steps + 2)
+        for i in range(n):
+            scheduler.add(Sequence(f"p{i}", list(range(1, prompt + 1)), greedy, i, 1 << 20))
+        logits_of = {n: torch.randn(n, vocab_size)}
+        t0 = time.perf_counter()
+        engine_step(scheduler, logits_of)  # the prefill pass
+        prefill = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine_step(scheduler, logits_of)
+            times.append(time.perf_counter() - t0)
+        return prefill, statistics.median(times)
+
+    (_, small), (prefill, large) = run(batches[0]), run(batches[1])
+    per_seq = max(0.0, (large - small) / (batches[1] - batches[0]))
+    return {"host_step_s": max(0.0, small - per_seq * batches[0]), "host_seq_s": per_seq,
+            "host_token_s": max(0.0, prefill - small) / (batches[1] * prompt)}
+
+
 def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     """KV bytes/s the CPU decode-attention kernel streams, for the model's head layout, over a
     cache larger than the last-level cache. Returns (rate, kernel name)."""
@@ -240,6 +289,7 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast)
         attention.append(measure_attention(m, fast))
     cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3
+    host = measure_host_overhead(max((m.vocab_size for m in models), default=32000))
     att_rate = statistics.median(a[0] for a in attention) if attention else None
     data: dict[str, Any] = {
         "name": f"profiled-{machine_fingerprint()}", "device": "cpu",
@@ -255,6 +305,9 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         "link_gbps": round(copy_bw / GB, 2),
         "cpu_tflops": round(cpu_peak, 4), "device_tflops": round(cpu_peak, 4),
         "op_overhead_us": round(overhead * 1e6, 3),
+        "host_step_us": round(host["host_step_s"] * 1e6, 2),
+        "host_seq_us": round(host["host_seq_s"] * 1e6, 3),
+        "host_token_us": round(host["host_token_s"] * 1e6, 4),
         "cpu_attention_gbps": round(att_rate / GB, 2) if att_rate else None,
         "attention_kernel": attention[0][1] if attention else None,
         "gemm": cpu_rows, "cpu_gemm": [],
@@ -270,9 +323,15 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     return data
 
 
+HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us")
+
+
 def _covers(data: dict[str, Any], models: list[ModelSpec]) -> bool:
+    """Whether a cached profile has every figure the model needs (profiles written before the
+    host-overhead figures existed lack them and are extended)."""
     have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
-    return all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m))
+    return (all(k in data for k in HOST_KEYS)
+            and all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m)))
 
 
 def write_profile(data: dict[str, Any], path: Path | str) -> Path:
@@ -299,6 +358,8 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
         data["gemm"] = list(data.get("gemm") or ()) + [
             r for r in extra["gemm"] if (r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) not in have]
         data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
+        for key in HOST_KEYS:
+            data.setdefault(key, extra[key])
         if data.get("cpu_attention_gbps") is None:
             data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
             data["attention_kernel"] = extra["attention_kernel"]

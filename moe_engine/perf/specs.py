@@ -278,6 +278,11 @@ class HardwareSpec:
     cpu_attention_bw: float | None = None
     cpu_gemm_points: tuple[GemmPoint, ...] = ()
     op_overhead_s: float = 0.0
+    # The engine loop's own host work (scheduling, packing inputs, sampling), profiled: per
+    # step, per sequence in a decode step, per prompt token in a prefill pass.
+    host_step_s: float = 0.0
+    host_seq_s: float = 0.0
+    host_token_s: float = 0.0
     notes: str = ""
 
     @property
