@@ -108,7 +108,7 @@ class WorkloadConfig:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     max_prompt_tokens: Optional[int] = None
-    num_shards: int = 2
+    num_shards: int = 1  # generate jobs that can run at once (config/workload/sample.yaml)
     limit: Optional[int] = None
 
 
