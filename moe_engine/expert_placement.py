@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -178,19 +178,23 @@ class ExpertPlacer:
     """The policy's FFN placement plus Twiddler's per-expert rule, and what to prefetch.
 
     ffn_on_device=False puts every expert on the CPU (the policy chose CPU FFN); otherwise
-    resident experts run on the device and streamed ones follow `place_expert`.
+    resident experts run on the device and streamed ones follow `place_expert`. With every
+    expert resident there is nothing to decide, so no latency profile is needed (None).
     """
 
-    def __init__(self, profile: ExpertLatencyProfile, ffn_on_device: bool = True):
+    def __init__(self, profile: Optional[ExpertLatencyProfile], ffn_on_device: bool = True):
         self.profile = profile
         self.ffn_on_device = ffn_on_device
-        self.prefetch_from_tokens = crossover_tokens(profile) if ffn_on_device else None
+        self.prefetch_from_tokens = (crossover_tokens(profile)
+                                     if ffn_on_device and profile is not None else None)
 
     def decide(self, tokens: int, resident: bool, bytes_to_move: int) -> Place:
         if tokens == 0:
             return Place.skip
         if not self.ffn_on_device:
             return Place.cpu
+        if self.profile is None and not resident:
+            raise ValueError("a streamed expert needs a latency profile to be placed")
         return place_expert(tokens, resident, bytes_to_move, self.profile)
 
     def should_prefetch(self, expected_tokens: float) -> bool:

@@ -69,7 +69,7 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
 
     The routing profile comes from `routing`, else the one saved beside the model, else a
     uniform one (with a warning: residency then follows expert index, not popularity).
-    The expert latency profile is measured on this backend unless given.
+    The expert latency profile is measured on this backend unless given (or not needed: r_w 1).
     """
     spec = runner.spec
     backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
@@ -80,10 +80,12 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
             log.warning("no routing profile for this model: resident experts chosen by index; "
                         "record one with moe_engine.routing_profile (calibration run)")
         routing = RoutingProfile.uniform(spec.num_layers, spec.num_experts)
-    if latency is None:
+    # Only streamed experts are placed by latency; fully resident (a calibration run, or a model
+    # that fits) skips the measurement, which costs seconds for real expert sizes.
+    if latency is None and settings.resident_ratio < 1.0:
         proto = next(layer.experts[0] for layer in runner.weights.layers if layer.experts)
         latency = measure_expert_profile(backend, proto.w13, proto.w2)
-    if not settings.cpu_experts:
+    if latency is not None and not settings.cpu_experts:
         latency = _without_cpu_experts(latency)
     pager = WeightPager(runner.weights, backend, routing, settings.resident_ratio,
                         packet_bytes=settings.packet_bytes,

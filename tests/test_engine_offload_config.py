@@ -98,3 +98,22 @@ def test_cuda_backend_from_config_streams_experts(tiny_mixtral_dir):
         results = _tokens(engine)
         assert all(len(t) == 8 for t in results.values())
         assert engine.stats.bytes_moved > 0
+
+
+def test_fully_resident_pipeline_measures_no_expert_latency(tiny_mixtral_dir, reference,
+                                                            monkeypatch):
+    """Only streamed experts are placed by latency, so r_w = 1 (and the calibration run that
+    records a routing profile) skips the seconds-long measurement."""
+    import moe_engine.offload as offload
+    from moe_engine.expert_placement import ExpertPlacer
+
+    def never(*args, **kwargs):
+        raise AssertionError("expert latency measured for a fully resident pipeline")
+
+    monkeypatch.setattr(offload, "measure_expert_profile", never)
+    with LLMEngine(tiny_mixtral_dir, dataclasses.replace(CONFIG, offload_pipeline=True),
+                   dtype="float32") as engine:
+        assert engine.offload.placer.profile is None
+        assert _tokens(engine) == reference
+    with pytest.raises(ValueError, match="latency profile"):
+        ExpertPlacer(None).decide(4, resident=False, bytes_to_move=1)
