@@ -177,12 +177,12 @@ def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 6
     from moe_engine.sequence import Sequence
     from moe_engine.step_inputs import micro_batch_input, sampling_batch
 
-    def engine_step(scheduler: Scheduler, logits_of: dict[int, torch.Tensor]) -> None:
+    def engine_step(scheduler: Scheduler, logits: torch.Tensor) -> None:
         step = scheduler.schedule()
         for mb in step.micro_batches:
             micro_batch_input(mb, block_size)
         seqs = step.sequences
-        tokens = sample(logits_of[len(seqs)], sampling_batch(seqs)).tolist()
+        tokens = sample(logits, sampling_batch(seqs)).tolist()
         for seq, token in zip(seqs, tokens):
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(token)
@@ -193,14 +193,14 @@ def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 6
         greedy = SamplingParams(max_new_tokens=steps + 2)
         for i in range(n):
             scheduler.add(Sequence(f"p{i}", list(range(1, prompt + 1)), greedy, i, 1 << 20))
-        logits_of = {n: torch.randn(n, vocab_size)}
+        logits = torch.randn(n, vocab_size)
         t0 = time.perf_counter()
-        engine_step(scheduler, logits_of)  # the prefill pass
+        engine_step(scheduler, logits)  # the prefill pass
         prefill = time.perf_counter() - t0
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            engine_step(scheduler, logits_of)
+            engine_step(scheduler, logits)
             times.append(time.perf_counter() - t0)
         return prefill, statistics.median(times)
 
