@@ -1,7 +1,7 @@
 """Build the Cython kernels in kernels_cy/ as extensions of the moe_engine package.
 
 OpenMP is probed with a tiny compile: where the compiler lacks it (e.g. Apple clang without
-libomp) the kernels still build, single-threaded, and `moe_engine.kernels.HAS_OPENMP` says so.
+libomp) the kernels still build, single-threaded, and `moe_engine.model.paged_attention.HAS_OPENMP` says so.
 Set MOE_BATCH_NO_OPENMP=1 to force that fallback, MOE_BATCH_NATIVE=0 to drop -march=native
 (for wheels that must run on other CPUs).
 """

@@ -2,7 +2,7 @@
 
 One run times, on the same shapes and interleaved repeat by repeat (the VM is noisy, so
 baseline and candidate must share the same moments):
-  kernel  moe_engine.kernels.paged_decode_attention on a paged cache with shuffled block tables;
+  kernel  moe_engine.model.paged_attention.paged_decode_attention on a paged cache with shuffled block tables;
   sdpa    torch scaled_dot_product_attention(enable_gqa=True) on contiguous K/V;
   bmm     torch batched matmul with the GQA group folded into the query length, contiguous K/V;
   read    a STREAM-like read pass over a buffer larger than the last-level cache.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_engine import kernels  # noqa: E402
+from moe_engine.model import paged_attention as kernels  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from moe_engine.config import EngineConfig  # noqa: E402
-from moe_engine.engine import LLMEngine  # noqa: E402
-from moe_engine.request import Request, SamplingParams  # noqa: E402
+from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
+from moe_engine.engine.request import Request, SamplingParams  # noqa: E402
 
 
 def load_rows(n: int) -> list[dict]:
@@ -169,7 +169,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir
     if model_dir is None:
-        from moe_engine.checkpoints import build_checkpoint
+        from moe_engine.tools.checkpoints import build_checkpoint
 
         model_dir = build_checkpoint("small-mixtral", Path(tempfile.mkdtemp()) / "small-mixtral")
     rows = load_rows(args.num_prompts)
@@ -193,7 +193,7 @@ def main() -> None:
 
     from transformers import MixtralForCausalLM
 
-    from moe_engine.tokenization import load_tokenizer
+    from moe_engine.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     token_ids = [tok.encode_messages(r["messages"]) if r.get("messages") else tok.encode_prompt(r["prompt"])

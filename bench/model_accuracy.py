@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
 
-    from moe_engine.checkpoints import PRESETS, ensure_builtin
+    from moe_engine.tools.checkpoints import PRESETS, ensure_builtin
     from moe_engine.config import EngineConfig
-    from moe_engine.engine import LLMEngine
+    from moe_engine.engine.llm_engine import LLMEngine
     from moe_engine.perf import ModelSpec, apply_policy, choose_policy, workload_spec_from_lengths
-    from moe_engine.cache import hardware_cache_dir
+    from moe_engine.io import hardware_cache_dir
     from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
-    from moe_engine.perf.profile import ensure_profile, profile_machine, write_profile
-    from moe_engine.request import Request, SamplingParams
+    from moe_engine.tools.profile_hardware import ensure_profile, profile_machine, write_profile
+    from moe_engine.engine.request import Request, SamplingParams
 
     model_dir = ensure_builtin(args.model, args.resources)
     model = ModelSpec.from_hf_config(model_dir, name=args.model)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moe_engine.config import EngineConfig  # noqa: E402
-from moe_engine.engine import LLMEngine  # noqa: E402
-from moe_engine.offload import OffloadSettings, build_offload_pipeline  # noqa: E402
-from moe_engine.request import Request, SamplingParams  # noqa: E402
-from moe_engine.trace import Span, Trace  # noqa: E402
+from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
+from moe_engine.offload.build import OffloadSettings, build_offload_pipeline  # noqa: E402
+from moe_engine.engine.request import Request, SamplingParams  # noqa: E402
+from moe_engine.offload.trace import Span, Trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def model_dir(name: str) -> Path:
     local = REPO / "resources" / "models" / name
     if (local / "config.json").exists():
         return local
-    from moe_engine.checkpoints import build_checkpoint
+    from moe_engine.tools.checkpoints import build_checkpoint
 
     return build_checkpoint(name, Path(tempfile.mkdtemp()) / name, seed=0)
 

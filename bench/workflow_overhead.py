@@ -41,17 +41,17 @@ def run_workflow(workdir: Path, overrides: str, target: str = "all") -> float:
 def run_engine_only(workdir: Path, overrides: str) -> tuple[float, int]:
     import polars as pl
 
-    from moe_engine.cli import model_dir_of
     from moe_engine.config import compose
-    from moe_engine.corpus import read_corpus
-    from moe_engine.engine import LLMEngine
-    from moe_engine.shard_runner import build_requests, engine_config_for
-    from moe_engine.sharding import tokenize_frame
-    from moe_engine.tokenization import load_tokenizer
+    from moe_engine.stages.corpus import read_corpus
+    from moe_engine.engine.llm_engine import LLMEngine
+    from moe_engine.stages.generate import build_requests
+    from moe_engine.stages.policy import engine_config_for
+    from moe_engine.stages.shard import tokenize_frame
+    from moe_engine.engine.tokenizer import load_tokenizer
     import json
 
     cfg = compose(overrides)
-    model_dir = workdir / model_dir_of(cfg)
+    model_dir = workdir / cfg.model_dir
     policy_path = workdir / cfg.results_dir / "policy.json"
     policy = json.loads(policy_path.read_text()) if policy_path.exists() else None
     frame = read_corpus(cfg.workload, base_dir=REPO)

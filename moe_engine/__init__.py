@@ -4,11 +4,11 @@ __version__ = "0.1.0"
 
 # Heavy modules (torch, transformers) load on first use so `import moe_engine` stays cheap.
 _LAZY = {
-    "LLMEngine": "moe_engine.engine",
-    "EngineStats": "moe_engine.stats",
-    "SamplingParams": "moe_engine.request",
-    "Request": "moe_engine.request",
-    "RequestResult": "moe_engine.request",
+    "LLMEngine": "moe_engine.engine.llm_engine",
+    "EngineStats": "moe_engine.engine.stats",
+    "SamplingParams": "moe_engine.engine.request",
+    "Request": "moe_engine.engine.request",
+    "RequestResult": "moe_engine.engine.request",
 }
 
 __all__ = ["__version__", *_LAZY]

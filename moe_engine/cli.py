@@ -1,7 +1,9 @@
-"""Command-line entry points; each workflow rule calls exactly one subcommand.
+"""Command-line entry points; each workflow rule calls exactly one subcommand, and each
+subcommand calls the stage module of the same name (`moe_engine.stages.<rule>`).
 
 Every subcommand takes the resolved config written by the Snakefile (`--config`), so a rule's
-behaviour is a function of that file and its inputs alone.
+behaviour is a function of that file and its inputs alone. Stage modules are imported inside
+their subcommand, so a light rule never pays for torch or the engine.
 """
 from __future__ import annotations
 
@@ -11,77 +13,35 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from moe_engine.cache import hardware_cache_dir
-from moe_engine.config import AppConfig, ConfigError, load_resolved
-
-
-def model_dir_of(cfg: AppConfig) -> Path:
-    """Where the checkpoint lives: resources/models/<preset> for built-ins, else model.path."""
-    if cfg.model.builtin is not None:
-        return Path(cfg.resources_dir) / "models" / cfg.model.builtin
-    return Path(cfg.model.path)
+from moe_engine.config import ConfigError, load_resolved
 
 
 def _prepare_model(args: argparse.Namespace) -> None:
-    from moe_engine.checkpoints import build_checkpoint
+    from moe_engine.stages.prepare_model import prepare_model
 
     cfg = load_resolved(args.config)
-    if cfg.model.builtin is None:
-        raise ConfigError("model.builtin=None: prepare-model only builds built-in presets")
-    path = build_checkpoint(cfg.model.builtin, args.out, seed=cfg.model.seed,
-                            num_shards=cfg.model.num_shards)
+    path = prepare_model(cfg, args.out)
     print(f"built {cfg.model.builtin} (seed {cfg.model.seed}) at {path}")
 
 
 def _shard(args: argparse.Namespace) -> None:
-    from moe_engine.corpus import read_corpus
-    from moe_engine.sharding import tokenize_frame, write_shards
-    from moe_engine.tokenization import load_tokenizer
+    from moe_engine.stages.shard import shard_corpus
 
-    cfg = load_resolved(args.config)
-    frame = read_corpus(cfg.workload)
-    frame = tokenize_frame(frame, load_tokenizer(args.model), cfg.workload.max_prompt_tokens)
-    manifest = write_shards(frame, cfg.workload.num_shards, args.out_dir)
+    manifest = shard_corpus(load_resolved(args.config), args.model, args.out_dir)
     print(f"{manifest.num_rows} rows -> {manifest.num_shards} shards {manifest.shard_rows} "
           f"(prompt tokens {manifest.shard_tokens}), {manifest.rejected_rows} rejected")
 
 
 def _policy(args: argparse.Namespace) -> None:
-    import polars as pl
+    from moe_engine.stages.policy import choose_policy, write_policy
 
-    from moe_engine.corpus import STATUS_PENDING
-
-    cfg = load_resolved(args.config)
-    # Each generate job runs one shard on its own, so the policy is chosen for a shard: the
-    # largest one (its batch bound and memory need are the highest), with every row's own
-    # prompt and generation length (rejected rows generate nothing).
-    frames = [pl.read_parquet(p).filter(pl.col("status") == STATUS_PENDING) for p in args.shards]
-    frame = max(frames, key=lambda f: f.height, default=None)
-    if frame is not None and frame.height:
-        lengths = frame["prompt_tokens"].to_list()
-        gen_len = frame["max_new_tokens"].to_list()
-    else:
-        lengths, gen_len = [1], cfg.workload.max_new_tokens
-    engine_knobs = {k: (v.value if hasattr(v, "value") else v) for k, v in cfg.engine.__dict__.items()}
-    if cfg.engine.policy.value == "config":
-        out = {"source": "config", "engine": engine_knobs}
-    else:
-        from moe_engine import perf
-
-        model = perf.ModelSpec.from_hf_config(args.model / "config.json")
-        hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
-        wl = perf.workload_spec_from_lengths(lengths, gen_len)
-        result = perf.choose_policy(model, hw, wl, backend=cfg.engine.backend.value)
-        chosen = perf.apply_policy(cfg.engine, result)
-        out = {"source": "search", **result.to_json(),
-               "engine": {k: (v.value if hasattr(v, "value") else v) for k, v in chosen.__dict__.items()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    out = choose_policy(load_resolved(args.config), args.model, args.shards)
+    write_policy(out, args.out)
     print(json.dumps(out.get("engine"), default=str))
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from moe_engine.shard_runner import run_shard
+    from moe_engine.stages.generate import run_shard
 
     cfg = load_resolved(args.config)
     if args.threads:
@@ -95,7 +55,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
-    from moe_engine.merge import merge_generations, write_openai_batch_output
+    from moe_engine.stages.merge import merge_generations, write_openai_batch_output
 
     cfg = load_resolved(args.config)
     merged = merge_generations(args.shard_dir, args.generations, args.out)
@@ -105,7 +65,7 @@ def _merge(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from moe_engine.report import write_report
+    from moe_engine.stages.report import write_report
 
     summary = write_report(args.generations, args.stats, args.policy, args.md, args.html)
     print(f"report: {summary['measured_tok_s']:.1f} tok/s measured over {summary['rows']} rows")

@@ -148,6 +148,13 @@ class AppConfig:
     results_dir: str = "results"
     resources_dir: str = "resources"
 
+    @property
+    def model_dir(self) -> Path:
+        """Where the checkpoint lives: resources/models/<preset> for built-ins, else model.path."""
+        if self.model.builtin is not None:
+            return Path(self.resources_dir) / "models" / self.model.builtin
+        return Path(self.model.path)
+
 
 def register_schemas() -> None:
     """Register the schemas with Hydra's ConfigStore (idempotent: storing again overwrites)."""
@@ -215,7 +222,7 @@ def validate(cfg: AppConfig) -> None:
     _check(m.builtin is not None or m.path is not None, "model.path", m.path,
            "set model.path to a checkpoint directory or model.builtin to a preset")
     if m.builtin is not None:
-        from moe_engine.checkpoints import PRESETS
+        from moe_engine.tools.presets import PRESETS
 
         _check(m.builtin in PRESETS, "model.builtin", m.builtin,
                f"unknown preset; choose one of {sorted(PRESETS)}")
@@ -262,12 +269,9 @@ def to_yaml(cfg: AppConfig) -> str:
 
 def save_resolved(cfg: AppConfig, path: Path | str) -> Path:
     """Write the resolved config; rules read this file so every job sees the same values."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(path)
-    return path
+    from moe_engine.io import write_text_atomic
+
+    return write_text_atomic(path, to_yaml(cfg))
 
 
 def save_resolved_if_changed(cfg: AppConfig, path: Path | str) -> Path:

@@ -37,7 +37,7 @@ def hermetic_machine_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def builtin_dir(tmp_path_factory):
     """builtin_dir(preset): the built-in preset, seed 0, single safetensors file, built once."""
-    from moe_engine.checkpoints import build_checkpoint
+    from moe_engine.tools.checkpoints import build_checkpoint
 
     built: dict[str, Path] = {}
 
@@ -59,7 +59,7 @@ def tiny_mixtral_dir(builtin_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mixtral_sharded_dir(tmp_path_factory) -> Path:
     """The same checkpoint split into 2 safetensors shards with an index."""
-    from moe_engine.checkpoints import build_checkpoint
+    from moe_engine.tools.checkpoints import build_checkpoint
 
     return build_checkpoint("tiny-mixtral", tmp_path_factory.mktemp("models") / "tiny-sharded",
                             seed=0, num_shards=2)

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from moe_engine.backend import CopyCancelled, CpuBackend, cuda_available, make_backend
-from moe_engine.trace import Trace
+from moe_engine.offload.backend import CopyCancelled, CpuBackend, cuda_available, make_backend
+from moe_engine.offload.trace import Trace
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from moe_engine.batching import partition
+from moe_engine.engine.batching import partition
 
 
 def _check_accounting(items, part):

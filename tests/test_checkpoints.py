@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_engine.checkpoints import (INDEX_NAME, PRESETS, build_checkpoint, ensure_builtin,
+from moe_engine.tools.checkpoints import (INDEX_NAME, PRESETS, build_checkpoint, ensure_builtin,
                                     generate_state_dict)
 from moe_engine.model.arch import ARCHITECTURES
 from moe_engine.model.spec import load_spec
-from moe_engine.tokenization import load_tokenizer
-from moe_engine.tokenizer_builder import corpus_texts
+from moe_engine.engine.tokenizer import load_tokenizer
+from moe_engine.tools.build_tokenizer import corpus_texts
 
 TINY_PRESETS = sorted(p for p in PRESETS if p.startswith("tiny-"))
 EXPECTED_FILES = {"config.json", "generation_config.json", "tokenizer.json",
@@ -175,7 +175,7 @@ def test_chat_template_renders_mixtral_format(tiny_mixtral_dir):
 
 
 def test_bundled_corpus_lengths_resemble_mtbench(tiny_mixtral_dir):
-    from moe_engine.tokenizer_builder import DATA_DIR
+    from moe_engine.tools.build_tokenizer import DATA_DIR
 
     tok = load_tokenizer(tiny_mixtral_dir)
     lengths = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_engine.checkpoints import PRESETS
+from moe_engine.tools.presets import PRESETS
 from moe_engine.config import (AppConfig, ConfigError, DeviceKind, compose, load_resolved,
                                save_resolved, save_resolved_if_changed)
 

@@ -7,7 +7,7 @@ import polars as pl
 import pytest
 
 from moe_engine.config import InputFormat, WorkloadConfig
-from moe_engine.corpus import detect_format, read_corpus, stable_seed
+from moe_engine.stages.corpus import detect_format, read_corpus, stable_seed
 
 
 def _write_lines(path, lines: list[bytes]) -> None:

@@ -6,9 +6,9 @@ import torch
 
 import moe_engine
 from moe_engine.config import EngineConfig
-from moe_engine.engine import LLMEngine
-from moe_engine.request import Request, RequestResult, SamplingParams
-from moe_engine.sampling import SamplingBatch, sample, uniform_from
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.engine.request import Request, RequestResult, SamplingParams
+from moe_engine.engine.sampling import SamplingBatch, sample, uniform_from
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_results_come_in_completion_order_with_consistent_stats(engine):
 
 
 def test_timeline_length_is_capped():
-    from moe_engine.stats import EngineStats
+    from moe_engine.engine.stats import EngineStats
 
     s = EngineStats(max_timeline_points=16)
     for step in range(1000):

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from moe_engine.config import EngineConfig
-from moe_engine.engine import LLMEngine
+from moe_engine.engine.llm_engine import LLMEngine
 from moe_engine.model.arch import ARCHITECTURES, UnsupportedArchitectureError
 from moe_engine.model.layers import rope_inv_freq
 from moe_engine.model.loader import load_weights
 from moe_engine.model.spec import load_spec
-from moe_engine.request import Request, SamplingParams
+from moe_engine.engine.request import Request, SamplingParams
 
 
 @pytest.mark.parametrize("scaling", [

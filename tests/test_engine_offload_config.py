@@ -8,10 +8,10 @@ import shutil
 import pytest
 
 from moe_engine.config import EngineConfig
-from moe_engine.engine import LLMEngine
-from moe_engine.offload import offload_settings
-from moe_engine.request import Request, SamplingParams
-from moe_engine.routing_profile import PROFILE_NAME, find_profile
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.offload.build import offload_settings
+from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.offload.routing import PROFILE_NAME, find_profile
 
 CONFIG = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
 PROMPTS = ["Explain how a mixture of experts layer routes tokens.", "hi",
@@ -84,7 +84,7 @@ def test_emulated_link_from_config_moves_bytes_and_keeps_tokens(tiny_mixtral_dir
 
 
 def test_device_budget_too_small_fails_at_construction(tiny_mixtral_dir):
-    from moe_engine.pager import DeviceBudgetError
+    from moe_engine.offload.pager import DeviceBudgetError
 
     config = dataclasses.replace(CONFIG, offload_pipeline=True, device_memory_gb=1e-6)
     with pytest.raises(DeviceBudgetError, match="budget"):
@@ -104,8 +104,8 @@ def test_fully_resident_pipeline_measures_no_expert_latency(tiny_mixtral_dir, re
                                                             monkeypatch):
     """Only streamed experts are placed by latency, so r_w = 1 (and the calibration run that
     records a routing profile) skips the seconds-long measurement."""
-    import moe_engine.offload as offload
-    from moe_engine.expert_placement import ExpertPlacer
+    import moe_engine.offload.build as offload
+    from moe_engine.offload.placement import ExpertPlacer
 
     def never(*args, **kwargs):
         raise AssertionError("expert latency measured for a fully resident pipeline")

@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import moe_engine.checkpoints as ck
+import moe_engine.tools.checkpoints as ck
 from moe_engine.config import EngineConfig
-from moe_engine.engine import LLMEngine
-from moe_engine.kv_cache import kv_bytes_per_token
-from moe_engine.model import load_spec, load_weights
-from moe_engine.request import Request, SamplingParams
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.model.kv_cache import kv_bytes_per_token
+from moe_engine.model.loader import load_weights
+from moe_engine.model.spec import load_spec
+from moe_engine.engine.request import Request, SamplingParams
 
 NEW_TOKENS = 12
 # One per supported architecture (test_checkpoints checks that).

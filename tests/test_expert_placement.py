@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.backend import CpuBackend
-from moe_engine.expert_placement import (ExpertLatencyProfile, ExpertPlacer, LatencyCurve, Place,
+from moe_engine.offload.backend import CpuBackend
+from moe_engine.offload.placement import (ExpertLatencyProfile, ExpertPlacer, LatencyCurve, Place,
                                          crossover_tokens, measure_expert_profile, place_expert)
 
 EXPERT_BYTES = 1_000_000
@@ -92,9 +92,9 @@ def test_measured_profile_has_growing_cpu_latency_and_a_real_link():
 
 def test_pipeline_places_each_expert_as_the_rule_says(tiny_mixtral_dir):
     from moe_engine.config import EngineConfig
-    from moe_engine.engine import LLMEngine
-    from moe_engine.offload import OffloadSettings, build_offload_pipeline
-    from moe_engine.request import Request, SamplingParams
+    from moe_engine.engine.llm_engine import LLMEngine
+    from moe_engine.offload.build import OffloadSettings, build_offload_pipeline
+    from moe_engine.engine.request import Request, SamplingParams
 
     engine = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
                                                       num_micro_batches=2), dtype="float32")

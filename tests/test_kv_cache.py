@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from moe_engine.attention import (DecodeAttention, prefill_attention, torch_paged_decode_attention,
+from moe_engine.model.attention import (DecodeAttention, prefill_attention, torch_paged_decode_attention,
                                   torch_write_kv)
-from moe_engine.kv_cache import BlockAllocator, KVCache, blocks_for_budget, kv_bytes_per_token
+from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.model.kv_cache import KVCache, blocks_for_budget, kv_bytes_per_token
 from moe_engine.model.spec import ModelSpec, RopeSpec
 
 
@@ -106,7 +107,7 @@ def test_torch_decode_writes_into_out_buffer():
 def test_unknown_or_unbuilt_attention_impl_is_an_error():
     with pytest.raises(ValueError):
         DecodeAttention("flash")
-    from moe_engine import kernels
+    from moe_engine.model import paged_attention as kernels
 
     if not kernels.HAS_CYTHON_KERNELS:
         with pytest.raises(RuntimeError):

@@ -6,9 +6,8 @@ import json
 import polars as pl
 import pytest
 
-from moe_engine.merge import MergeError, merge_generations, write_openai_batch_output
-from moe_engine.shard_runner import GENERATION_SCHEMA
-from moe_engine.sharding import MANIFEST_NAME, REJECTED_NAME
+from moe_engine.stages.merge import MergeError, merge_generations, write_openai_batch_output
+from moe_engine.stages.tables import GENERATION_SCHEMA, MANIFEST_NAME, REJECTED_NAME
 
 
 def _generation(id_: str, order: int, status: str = "ok") -> dict:

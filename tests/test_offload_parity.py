@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from moe_engine.checkpoints import PRESETS
+from moe_engine.tools.presets import PRESETS
 from moe_engine.config import EngineConfig
-from moe_engine.engine import LLMEngine
-from moe_engine.model import load_spec
-from moe_engine.offload import OffloadSettings, build_offload_pipeline, calibrate_routing
-from moe_engine.request import Request, SamplingParams
-from moe_engine.routing_profile import PROFILE_NAME, RoutingProfile, find_profile
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.model.spec import load_spec
+from moe_engine.offload.build import OffloadSettings, build_offload_pipeline, calibrate_routing
+from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.offload.routing import PROFILE_NAME, RoutingProfile, find_profile
 
 NEW_TOKENS = 10
 PROMPTS = [
@@ -129,7 +129,7 @@ def test_calibrated_profile_is_saved_beside_the_model_and_drives_residency(model
 
 
 def test_read_only_model_dir_saves_the_profile_in_the_cache(tmp_path, monkeypatch):
-    import moe_engine.routing_profile as rp
+    import moe_engine.offload.routing as rp
 
     model_dir = tmp_path / "ro-model"
     model_dir.mkdir()
@@ -150,7 +150,7 @@ def test_read_only_model_dir_saves_the_profile_in_the_cache(tmp_path, monkeypatc
 def tiny_three_layer_dir(tmp_path_factory):
     """tiny-mixtral with 3 layers: with more layers than ring slots (and an odd count) a
     failed step can leave both slots claimed, which two layers alone never show."""
-    import moe_engine.checkpoints as ck
+    import moe_engine.tools.checkpoints as ck
 
     preset = dataclasses.replace(ck.PRESETS["tiny-mixtral"], num_hidden_layers=3)
     with pytest.MonkeyPatch.context() as mp:

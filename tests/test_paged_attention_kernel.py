@@ -1,6 +1,6 @@
 """CPU decode attention kernel (kernels_cy/paged_attention.pyx) against an fp64 reference.
 
-The reference below is written independently of moe_engine.kernels: one sequence and one query
+The reference below is written independently of moe_engine.model.paged_attention: one sequence and one query
 head at a time, in float64, from the same (dtype-rounded) cache contents the kernel reads. CI
 builds the extension first, so a missing build fails here instead of being skipped.
 """
@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from moe_engine import kernels
-from moe_engine.kernels import (paged_decode_attention, paged_decode_attention_reference,
+from moe_engine.model import paged_attention as kernels
+from moe_engine.model.paged_attention import (paged_decode_attention, paged_decode_attention_reference,
                                 write_kv)
 
 BLOCK = 16

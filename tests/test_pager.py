@@ -8,10 +8,11 @@ import time
 import pytest
 import torch
 
-from moe_engine.backend import CpuBackend, cuda_available, make_backend
-from moe_engine.model import load_spec, load_weights
-from moe_engine.pager import DeviceBudgetError, WeightPager
-from moe_engine.routing_profile import RoutingProfile
+from moe_engine.offload.backend import CpuBackend, cuda_available, make_backend
+from moe_engine.model.loader import load_weights
+from moe_engine.model.spec import load_spec
+from moe_engine.offload.pager import DeviceBudgetError, WeightPager
+from moe_engine.offload.routing import RoutingProfile
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from moe_engine.config import EngineConfig
 from moe_engine.perf import (Policy, WorkloadSpec, apply_policy, choose_policy, load_preset, memory_use, plot_roofline,
                              predict, workload_spec_from_lengths)
-from moe_engine.perf.model import decode_step_times, layer_decode_times
+from moe_engine.perf.cost import decode_step_times, layer_decode_times
 from moe_engine.perf.roofline import (expected_active_experts, gemm_time, roofline_time)
 from moe_engine.perf.reference_models import reference_model
 from moe_engine.perf.specs import GemmPoint
@@ -131,7 +131,7 @@ def test_model_that_cannot_fit_raises():
 
 
 def test_cpu_backend_policy_is_bounded_by_requests_and_keeps_weights_resident():
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
     from moe_engine.perf import ModelSpec
 
     m = ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]))
@@ -171,7 +171,7 @@ def test_prediction_counts_generated_tokens_over_prefill_plus_decode():
 
 
 def test_batch_occupancy_follows_continuous_batching():
-    from moe_engine.perf.model import batch_occupancy
+    from moe_engine.perf.cost import batch_occupancy
 
     # All admitted at once: alive = #requests still decoding; steps = longest - 1.
     buckets = batch_occupancy((5, 5, 2, 9), 8)
@@ -192,7 +192,7 @@ def test_batch_occupancy_follows_continuous_batching():
 def test_draining_batch_is_slower_than_the_mean_length_suggests():
     """A few long requests among short ones keep the batch nearly empty for most steps, so
     per-request lengths must predict lower throughput than their mean applied to everyone."""
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
     from moe_engine.perf import ModelSpec
 
     m = ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]))
@@ -219,7 +219,7 @@ def test_draining_batch_is_slower_than_the_mean_length_suggests():
 
 
 def test_engine_loop_overhead_is_added_per_step_and_per_sequence():
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
     from moe_engine.perf import ModelSpec
 
     m = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]))

@@ -7,12 +7,12 @@ import yaml
 from moe_engine.config import HardwareConfig
 from moe_engine.perf import ModelSpec, choose_policy, hardware_spec_from_config, workload_spec_from_lengths
 from moe_engine.perf.hardware import cached_profile_path, machine_fingerprint, spec_from_figures
-from moe_engine.perf.profile import ensure_profile, gemm_shapes, main
+from moe_engine.tools.profile_hardware import ensure_profile, gemm_shapes, main
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
 
     return ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]), name="tiny-mixtral")
 

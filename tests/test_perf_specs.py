@@ -57,7 +57,7 @@ def test_unsupported_model_type_is_named():
 
 
 def test_dtype_override_and_config_file(tmp_path):
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config(PRESETS["small-mixtral"])))
     m = ModelSpec.from_hf_config(tmp_path)

@@ -10,12 +10,12 @@ import time
 import pytest
 
 from moe_engine.config import EngineConfig
-from moe_engine.engine import LLMEngine
-from moe_engine.expert_placement import ExpertLatencyProfile, LatencyCurve
-from moe_engine.offload import OffloadSettings, build_offload_pipeline
-from moe_engine.request import Request, SamplingParams
-from moe_engine.routing_profile import RoutingProfile
-from moe_engine.trace import Span, Trace
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.offload.placement import ExpertLatencyProfile, LatencyCurve
+from moe_engine.offload.build import OffloadSettings, build_offload_pipeline
+from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.offload.routing import RoutingProfile
+from moe_engine.offload.trace import Span, Trace
 
 CONFIG = EngineConfig(threads=2, kv_cache_gb=0.05, num_micro_batches=2)
 # Short prompts: every step then has about the same compute, so the per-step balance of link

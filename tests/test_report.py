@@ -4,7 +4,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from moe_engine.report import ShardSummary, summarize
+from moe_engine.stages.report import ShardSummary, summarize
 
 
 def _merged(n: int) -> pl.DataFrame:

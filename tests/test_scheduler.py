@@ -1,8 +1,8 @@
 """Scheduler (MoE-Lens 6.2): decode first, preempt newest, prefill budget, KV admission."""
-from moe_engine.kv_cache import BlockAllocator
-from moe_engine.request import SamplingParams
-from moe_engine.scheduler import Scheduler
-from moe_engine.sequence import Sequence
+from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.engine.request import SamplingParams
+from moe_engine.engine.scheduler import Scheduler
+from moe_engine.engine.sequence import Sequence
 
 
 def _seq(n, rid="r"):

@@ -7,9 +7,9 @@ import random
 import polars as pl
 
 from moe_engine.config import WorkloadConfig
-from moe_engine.corpus import read_corpus
-from moe_engine.sharding import assign_shards, tokenize_frame, write_shards
-from moe_engine.tokenization import load_tokenizer
+from moe_engine.stages.corpus import read_corpus
+from moe_engine.stages.shard import assign_shards, tokenize_frame, write_shards
+from moe_engine.engine.tokenizer import load_tokenizer
 
 
 def test_assignment_balances_tokens_not_rows():

@@ -55,11 +55,11 @@ def machine_profile():
     """The machine cache's hardware profile (hardware.profile=auto, the default), measured in
     the profiler's reduced mode so the policy rule finds it instead of measuring for ~45 s.
     conftest points the machine cache at a temporary directory."""
-    from moe_engine.cache import hardware_cache_dir
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.io import hardware_cache_dir
+    from moe_engine.tools.presets import PRESETS, hf_config
     from moe_engine.perf import ModelSpec
     from moe_engine.perf.hardware import cached_profile_path
-    from moe_engine.perf.profile import ensure_profile
+    from moe_engine.tools.profile_hardware import ensure_profile
 
     tiny = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]), name="tiny-mixtral")
     path = cached_profile_path(hardware_cache_dir())

@@ -1,5 +1,4 @@
-"""Model definition: spec from config.json, name tables, safetensors loading, layer math, runner."""
-from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.spec import ModelSpec, load_spec
-
-__all__ = ["ModelSpec", "load_spec", "load_weights", "resolve_dtype"]
+"""The model: spec and architecture tables read from config.json (torch-free: `spec`, `arch`),
+safetensors loading, weights, layer math, the paged KV cache and attention (a torch reference
+and the Cython kernels). Import the submodule you need; this package imports nothing itself so
+the torch-free parts stay cheap to import."""

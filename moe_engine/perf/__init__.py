@@ -3,13 +3,13 @@
 Pure functions over frozen dataclasses: `specs` (ModelSpec, HardwareSpec, WorkloadSpec),
 `roofline` (operator costs), `model` (per-layer decode latency, prefill, memory), `search`
 (policy search), `lens` (MoE-Lens stage 1/2, Klotski's planner), `hardware` (specs from config,
-presets and profiles), `profile` (the profiler; `python -m moe_engine.perf.profile`), `plot`.
+presets and profiles), `profile` (the profiler; `python -m moe_engine.tools.profile_hardware`), `plot`.
 """
 from .hardware import cached_profile_path, hardware_spec_from_config, load_preset, machine_fingerprint
 from .lens import (Stage1Bound, Stage2Prediction, kv_bytes_to_saturate, klotski_min_batches,
                    overlap_capacity_gain, pme, stage1_bound, stage2_throughput, tokens_to_saturate,
                    tokens_to_saturate_exact)
-from .model import Policy, Prediction, decode_step_times, memory_use, predict, prefill_time
+from .cost import Policy, Prediction, decode_step_times, memory_use, predict, prefill_time
 from .plot import plot_roofline
 from .search import NoFeasiblePolicy, PolicyResult, apply_policy, choose_policy
 from .specs import HardwareSpec, ModelSpec, UnsupportedModelError, WorkloadSpec, workload_spec_from_lengths

@@ -86,7 +86,7 @@ def machine_fingerprint() -> str:
     except Exception:  # torch missing or CUDA query failing: the CPU identity still counts
         parts.append("no-torch")
     try:
-        from moe_engine.kernels import HAS_CYTHON_KERNELS
+        from moe_engine.model.paged_attention import HAS_CYTHON_KERNELS
 
         parts.append(f"cython={HAS_CYTHON_KERNELS}")
     except Exception:
@@ -126,7 +126,7 @@ def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None
     if profile is None:
         return spec_from_figures(figures)
     if profile == "auto":
-        from .profile import ensure_profile
+        from moe_engine.tools.profile_hardware import ensure_profile
 
         data = ensure_profile(cached_profile_path(cache_dir), model=model)
     else:

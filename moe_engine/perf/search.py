@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .lens import Stage1Bound, stage1_bound, tokens_to_saturate_exact
-from .model import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOKENS, MemoryUse, Policy, Prediction, StepTimes,
+from .cost import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOKENS, MemoryUse, Policy, Prediction, StepTimes,
                     activation_bytes, peak_activation_bytes, device_budget, device_weight_bytes, is_cpu_backend, kv_bytes, memory_use,
                     predict)
 from .roofline import decode_attention_cost, expected_active_experts

@@ -1,7 +1,5 @@
 # Paths derived from the resolved config, shared by every rule file.
-from moe_engine.cli import model_dir_of
-
-MODEL_DIR = str(model_dir_of(APP))
+MODEL_DIR = str(APP.model_dir)
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 SHARD_DIR = f"{RESULTS}/shards"

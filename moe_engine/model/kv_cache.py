@@ -1,11 +1,10 @@
-"""Paged KV cache in host memory: per-layer block tensors and the block allocator.
+"""Paged KV cache in host memory: the per-layer block tensors and their size budget.
 
 Layout per layer: [num_blocks, n_kv_heads, block_size, head_dim]; the slot of token position p of a
 sequence is block_table[p // block_size] * block_size + p % block_size.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -47,38 +46,3 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         return self.key[0].shape[0]
-
-
-class BlockAllocator:
-    """Free list of cache blocks; sequences own the blocks listed in their block tables."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self.high_water = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take n blocks; raises when there are not enough (callers check can_allocate first)."""
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache exhausted: need {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self.high_water = max(self.high_water, self.num_used)
-        return blocks
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_engine.model.runner import MicroBatchInput
-from moe_engine.sampling import SamplingBatch
-from moe_engine.sequence import Sequence
+from moe_engine.engine.model_runner import MicroBatchInput
+from moe_engine.engine.sampling import SamplingBatch
+from moe_engine.engine.sequence import Sequence
 
 
 def micro_batch_input(seqs: list[Sequence], block_size: int) -> MicroBatchInput:

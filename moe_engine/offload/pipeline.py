@@ -29,13 +29,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from moe_engine.expert_placement import ExpertPlacer, Place
+from moe_engine.offload.placement import ExpertPlacer, Place
 from moe_engine.model.layers import attention_output, ffn_output, moe_ffn, rms_norm, route
-from moe_engine.model.runner import MicroBatchInput, ModelRunner, _Activation
+from moe_engine.engine.model_runner import MicroBatchInput, ModelRunner, _Activation
 from moe_engine.model.weights import ExpertWeights
-from moe_engine.pager import WeightPager
-from moe_engine.routing_profile import RoutingRecorder
-from moe_engine.trace import Trace
+from moe_engine.offload.pager import WeightPager
+from moe_engine.offload.routing import RoutingRecorder
+from moe_engine.offload.trace import Trace
 
 DEVICE_LANE, CPU_LANE, WAIT_LANE = "device", "cpu", "wait"
 

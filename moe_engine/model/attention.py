@@ -1,6 +1,6 @@
 """Attention for packed tokens: causal prefill per sequence, decode over the paged KV cache.
 
-Decode uses the Cython kernel of `moe_engine.kernels` when available (engine.attention =
+Decode uses the Cython kernel of `moe_engine.model.paged_attention` when available (engine.attention =
 auto|cython) and the torch path below otherwise (engine.attention = torch); both share the cache
 layout [num_blocks, n_kv, block_size, d] and the slot convention block * block_size + offset.
 """
@@ -90,7 +90,7 @@ class DecodeAttention:
                 self.name = "cython"
             elif impl == "cython":
                 raise RuntimeError("engine.attention=cython but the Cython kernels are not built "
-                                   "(moe_engine.kernels.HAS_CYTHON_KERNELS is false)")
+                                   "(moe_engine.model.paged_attention.HAS_CYTHON_KERNELS is false)")
         elif impl != "torch":
             raise ValueError(f"unknown attention implementation {impl!r}")
 
@@ -111,7 +111,7 @@ def _load_kernels():
     if previous is None:
         os.environ[key] = "PASSIVE"
     try:
-        return importlib.import_module("moe_engine.kernels")
+        return importlib.import_module("moe_engine.model.paged_attention")
     except ImportError:
         return None
     finally:

@@ -21,27 +21,9 @@ from typing import Any, Iterator
 import polars as pl
 
 from moe_engine.config import InputFormat, WorkloadConfig
+from moe_engine.stages.tables import CORPUS_SCHEMA, SAMPLING_FIELDS, STATUS_PENDING, STATUS_REJECTED
 
-STATUS_PENDING, STATUS_OK, STATUS_REJECTED, STATUS_ERROR = "pending", "ok", "rejected", "error"
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
-# The normalized table every later stage works on (shards, generations, merge).
-CORPUS_SCHEMA = {
-    "id": pl.Utf8,              # unique, stable across runs (input id, else "<file stem>:<row>")
-    "input_id": pl.Utf8,        # the id as given in the input (null when absent)
-    "source_file": pl.Utf8,
-    "source_row": pl.Int64,     # 0-based line (JSONL) or row (Parquet) index in source_file
-    "order": pl.Int64,          # global input order: output is sorted by it
-    "prompt": pl.Utf8,
-    "messages": pl.Utf8,        # JSON-encoded chat messages
-    "max_new_tokens": pl.Int64,
-    "temperature": pl.Float64,
-    "top_p": pl.Float64,
-    "top_k": pl.Int64,
-    "seed": pl.Int64,
-    "status": pl.Utf8,
-    "error": pl.Utf8,
-}
 
 
 @dataclass

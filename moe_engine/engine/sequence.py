@@ -5,7 +5,7 @@ from enum import Enum
 from itertools import count
 from typing import Optional
 
-from moe_engine.request import SamplingParams
+from moe_engine.engine.request import SamplingParams
 
 
 class SequenceStatus(str, Enum):

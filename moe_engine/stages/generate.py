@@ -14,30 +14,17 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
+
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import polars as pl
 
-from moe_engine.config import AppConfig, EngineConfig, to_yaml
-from moe_engine.corpus import STATUS_ERROR
+from moe_engine.config import AppConfig, to_yaml
+from moe_engine.io import atomic_path, write_text_atomic
+from moe_engine.stages.policy import engine_config_for
+from moe_engine.stages.tables import GENERATION_SCHEMA, RESULT_FIELDS, STATUS_ERROR, checkpoint_path
 
-GENERATION_SCHEMA = {
-    "id": pl.Utf8, "input_id": pl.Utf8, "source_file": pl.Utf8, "source_row": pl.Int64,
-    "order": pl.Int64, "shard": pl.Int64, "prompt": pl.Utf8, "messages": pl.Utf8,
-    "status": pl.Utf8, "error": pl.Utf8, "finish_reason": pl.Utf8,
-    "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
-    "output_text": pl.Utf8, "output_token_ids": pl.List(pl.Int32),
-    "max_new_tokens": pl.Int64, "temperature": pl.Float64, "top_p": pl.Float64,
-    "top_k": pl.Int64, "seed": pl.Int64,
-}
-_RESULT_FIELDS = ("status", "error", "finish_reason", "prompt_tokens", "completion_tokens",
-                  "output_text", "output_token_ids")
-
-
-def checkpoint_path(out_path: Path) -> Path:
-    return out_path.with_name(out_path.name + ".ckpt.jsonl")
 
 
 def fingerprint(cfg: AppConfig, shard_path: Path) -> str:
@@ -74,12 +61,9 @@ class CheckpointWriter:
         self.path, self.every = path, every
         self.pending: list[dict[str, Any]] = []
         # Rewrite the file from what survived, so a torn line never sits between valid ones.
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"fingerprint": fingerprint_}) + "\n")
-            for row in done.values():
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        tmp.replace(path)
+        lines = [json.dumps({"fingerprint": fingerprint_})]
+        lines += [json.dumps(row, ensure_ascii=False) for row in done.values()]
+        write_text_atomic(path, "\n".join(lines) + "\n")
         self.file = open(path, "a", encoding="utf-8")
 
     def add(self, row: dict[str, Any]) -> None:
@@ -109,7 +93,7 @@ def result_row(result) -> dict[str, Any]:
 
 
 def build_requests(frame: pl.DataFrame, cfg: AppConfig) -> Iterator:
-    from moe_engine.request import Request, SamplingParams
+    from moe_engine.engine.request import Request, SamplingParams
 
     stop = tuple(cfg.workload.stop)
     for row in frame.iter_rows(named=True):
@@ -119,15 +103,6 @@ def build_requests(frame: pl.DataFrame, cfg: AppConfig) -> Iterator:
             ignore_eos=cfg.workload.ignore_eos)
         yield Request(request_id=row["id"], prompt_token_ids=list(row["prompt_token_ids"]),
                       sampling=sampling)
-
-
-def engine_config_for(cfg: AppConfig, policy: dict | None) -> EngineConfig:
-    """The engine knobs for this run: the policy's choice when the config asks for search."""
-    engine = cfg.engine
-    if policy is not None and engine.policy.value == "search" and "engine" in policy:
-        allowed = set(EngineConfig.__dataclass_fields__)
-        engine = replace(engine, **{k: v for k, v in policy["engine"].items() if k in allowed})
-    return engine
 
 
 def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
@@ -148,7 +123,7 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
     try:
         if todo.height:
             if engine is None:
-                from moe_engine.engine import LLMEngine
+                from moe_engine.engine.llm_engine import LLMEngine
 
                 engine = owned = LLMEngine(model_dir, engine_config_for(cfg, policy),
                                            dtype=cfg.model.dtype.value)
@@ -162,10 +137,8 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
     wall = time.perf_counter() - started
 
     outputs = _assemble(frame, done)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    outputs.write_parquet(tmp)
-    tmp.replace(out_path)
+    with atomic_path(out_path) as tmp:
+        outputs.write_parquet(tmp)
     stats = {
         "shard": shard_path.stem, "rows": frame.height, "resumed_rows": resumed,
         "generated_rows": todo.height, "wall_time_s": wall,
@@ -177,9 +150,7 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
         "engine_config": {k: (v.value if hasattr(v, "value") else v)
                           for k, v in engine_config_for(cfg, policy).__dict__.items()},
     }
-    tmp_stats = stats_path.with_name(stats_path.name + ".tmp")
-    tmp_stats.write_text(json.dumps(stats, indent=2, default=str) + "\n")
-    tmp_stats.replace(stats_path)
+    write_text_atomic(stats_path, json.dumps(stats, indent=2, default=str) + "\n")
     ckpt.unlink(missing_ok=True)
     return stats
 
@@ -214,7 +185,7 @@ def _assemble(frame: pl.DataFrame, done: dict[str, dict[str, Any]]) -> pl.DataFr
             "status": STATUS_ERROR, "error": "no result produced", "finish_reason": None,
             "prompt_tokens": row["prompt_tokens"], "completion_tokens": 0, "output_text": None,
             "output_token_ids": []}
-        record = {k: row.get(k) for k in GENERATION_SCHEMA if k not in _RESULT_FIELDS}
-        record.update({k: result.get(k) for k in _RESULT_FIELDS})
+        record = {k: row.get(k) for k in GENERATION_SCHEMA if k not in RESULT_FIELDS}
+        record.update({k: result.get(k) for k in RESULT_FIELDS})
         records.append(record)
     return pl.DataFrame(records, schema=GENERATION_SCHEMA)

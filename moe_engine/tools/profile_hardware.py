@@ -7,7 +7,7 @@ which), memory read and copy bandwidth, the launch overhead of a small operator,
 pinned host-to-device bandwidth and device GEMM rates. The VM is noisy, so each figure is the
 median of several timed batches.
 
-    python -m moe_engine.perf.profile [--out this.yaml] [--model small-mixtral] [--fast]
+    python -m moe_engine.tools.profile_hardware [--out this.yaml] [--model small-mixtral] [--fast]
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import yaml
 
-from moe_engine.cache import hardware_cache_dir
+from moe_engine.io import hardware_cache_dir, write_text_atomic
 
-from .hardware import total_memory_bytes, load_profile, machine_fingerprint
-from .specs import GB, ModelSpec
+from moe_engine.perf.hardware import total_memory_bytes, load_profile, machine_fingerprint
+from moe_engine.perf.specs import GB, ModelSpec
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FAST_TOKENS = (1, 8, 64, 256)
@@ -170,12 +170,12 @@ def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 6
     (`host_token_s`). Small models on a CPU spend a fifth of a step here."""
     import torch
 
-    from moe_engine.kv_cache import BlockAllocator
-    from moe_engine.request import SamplingParams
-    from moe_engine.sampling import sample
-    from moe_engine.scheduler import Scheduler
-    from moe_engine.sequence import Sequence
-    from moe_engine.step_inputs import micro_batch_input, sampling_batch
+    from moe_engine.engine.block_manager import BlockAllocator
+    from moe_engine.engine.request import SamplingParams
+    from moe_engine.engine.sampling import sample
+    from moe_engine.engine.scheduler import Scheduler
+    from moe_engine.engine.sequence import Sequence
+    from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
 
     def engine_step(scheduler: Scheduler, logits: torch.Tensor) -> None:
         step = scheduler.schedule()
@@ -215,7 +215,7 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     cache larger than the last-level cache. Returns (rate, kernel name)."""
     import torch
 
-    from moe_engine import kernels
+    from moe_engine.model import paged_attention as kernels
 
     dt = _torch_dtype(m.dtype_bytes)
     block, ctx = 16, 256 if fast else 512
@@ -336,13 +336,8 @@ def _covers(data: dict[str, Any], models: list[ModelSpec]) -> bool:
 
 def write_profile(data: dict[str, Any], path: Path | str) -> Path:
     """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text("# Measured by python -m moe_engine.perf.profile; GB, GB/s, TFLOP/s, GFLOP/s.\n"
-                   + yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, "# Measured by python -m moe_engine.tools.profile_hardware; GB, GB/s, "
+                             "TFLOP/s, GFLOP/s.\n" + yaml.safe_dump(data, sort_keys=False))
 
 
 def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False) -> dict[str, Any]:
@@ -373,14 +368,14 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
 
 def _default_model() -> ModelSpec:
     """The benchmark model's shapes (small-mixtral), profiled when no model is named."""
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
 
     return ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]), name="small-mixtral")
 
 
 def resolve_model(arg: str, dtype: str | None = None) -> ModelSpec:
     """A built-in preset name or a checkpoint directory / config.json path."""
-    from moe_engine.checkpoints import PRESETS, hf_config
+    from moe_engine.tools.presets import PRESETS, hf_config
 
     if arg in PRESETS:
         return ModelSpec.from_hf_config(hf_config(PRESETS[arg]), dtype=dtype, name=arg)
@@ -388,7 +383,7 @@ def resolve_model(arg: str, dtype: str | None = None) -> ModelSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_engine.perf.profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_engine.tools.profile_hardware", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="profile YAML to write (default: the machine cache, "
                         "~/.cache/moe-batch/hardware/<fingerprint>.yaml, which hardware.profile=auto reads)")
     parser.add_argument("--model", action="append", default=[],

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from moe_engine.cache import default_cache_dir
+from moe_engine.io import default_cache_dir, write_text_atomic
 
 PROFILE_NAME = "routing_profile.json"
 
@@ -67,12 +67,7 @@ class RoutingProfile:
         return cls(counts)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
-        return path
+        return write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "RoutingProfile":

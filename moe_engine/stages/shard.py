@@ -14,11 +14,12 @@ from pathlib import Path
 
 import polars as pl
 
-from moe_engine.corpus import STATUS_PENDING, STATUS_REJECTED
-from moe_engine.tokenization import PromptTokenizer
+from moe_engine.config import AppConfig
+from moe_engine.engine.tokenizer import PromptTokenizer, load_tokenizer
+from moe_engine.io import atomic_path, write_text_atomic
+from moe_engine.stages.corpus import read_corpus
+from moe_engine.stages.tables import MANIFEST_NAME, REJECTED_NAME, STATUS_PENDING, STATUS_REJECTED
 
-REJECTED_NAME = "rejected.parquet"
-MANIFEST_NAME = "manifest.json"
 
 
 def tokenize_frame(frame: pl.DataFrame, tokenizer: PromptTokenizer,
@@ -111,11 +112,17 @@ def write_shards(frame: pl.DataFrame, num_shards: int, out_dir: Path) -> ShardMa
     manifest = ShardManifest(num_rows=frame.height, ids=frame["id"].to_list(),
                              num_shards=num_shards, shard_rows=rows, shard_tokens=tokens,
                              rejected_rows=rejected.height)
-    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    write_text_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest.to_json(), indent=1) + "\n")
     return manifest
 
 
+def shard_corpus(cfg: AppConfig, model_dir: Path, out_dir: Path) -> ShardManifest:
+    """The `shard` rule: read every input row, tokenize with the model's tokenizer, split."""
+    frame = read_corpus(cfg.workload)
+    frame = tokenize_frame(frame, load_tokenizer(model_dir), cfg.workload.max_prompt_tokens)
+    return write_shards(frame, cfg.workload.num_shards, out_dir)
+
+
 def _atomic_parquet(frame: pl.DataFrame, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    frame.write_parquet(tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        frame.write_parquet(tmp)

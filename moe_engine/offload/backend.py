@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from moe_engine.trace import Trace
+from moe_engine.offload.trace import Trace
 
 # Lanes of the trace recorder (also used by the pipeline and the figure).
 COPY_LANE = "copy"

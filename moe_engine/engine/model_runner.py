@@ -8,14 +8,14 @@ the dense weights hold, a shared expert or a dense layer's whole MLP).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from moe_engine.attention import DecodeAttention, prefill_attention
-from moe_engine.kv_cache import KVCache
+from moe_engine.model.attention import DecodeAttention, prefill_attention
+from moe_engine.model.kv_cache import KVCache
 from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, moe_ffn,
                                      qkv_projection, rms_norm, route)
 from moe_engine.model.spec import ModelSpec

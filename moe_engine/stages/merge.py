@@ -12,9 +12,8 @@ from pathlib import Path
 
 import polars as pl
 
-from moe_engine.corpus import STATUS_OK
-from moe_engine.shard_runner import GENERATION_SCHEMA
-from moe_engine.sharding import MANIFEST_NAME, REJECTED_NAME
+from moe_engine.io import atomic_path, write_text_atomic
+from moe_engine.stages.tables import GENERATION_SCHEMA, MANIFEST_NAME, REJECTED_NAME, STATUS_OK
 
 
 class MergeError(RuntimeError):
@@ -47,10 +46,8 @@ def merge_generations(shard_dir: Path, generation_files: list[Path], out_path: P
     missing = set(expected) - set(merged["id"].to_list())
     if missing:
         raise MergeError(f"{len(missing)} input ids missing from the outputs: {sorted(missing)[:10]}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    merged.write_parquet(tmp)
-    tmp.replace(out_path)
+    with atomic_path(out_path) as tmp:
+        merged.write_parquet(tmp)
     return merged
 
 
@@ -78,7 +75,4 @@ def write_openai_batch_output(merged: pl.DataFrame, model_name: str, out_path: P
             line = {"id": f"batch_req_{row['order']:08d}", "custom_id": custom_id, "response": None,
                     "error": {"code": row["status"], "message": row["error"] or row["status"]}}
         lines.append(json.dumps(line, ensure_ascii=False))
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + ("\n" if lines else ""), encoding="utf-8")
-    tmp.replace(out_path)
-    return out_path
+    return write_text_atomic(out_path, "\n".join(lines) + ("\n" if lines else ""))

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<unk>", "<s>", "</s>"
 # Ids 0, 1, 2 as in Llama/Mixtral tokenizers.
 SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 DEFAULT_CORPUS = ("sample_prompts.jsonl", "openai_batch_example.jsonl")
 
 # Mixtral-instruct style prompt format: [INST] user [/INST] answer</s>; a system message is

@@ -15,23 +15,24 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from moe_engine.attention import DecodeAttention
+from moe_engine.model.attention import DecodeAttention
 from moe_engine.config import EngineConfig
-from moe_engine.kv_cache import BlockAllocator, KVCache, blocks_for_budget
+from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.model.kv_cache import KVCache, blocks_for_budget
 from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.runner import ModelRunner
+from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.model.spec import load_spec
-from moe_engine.offload import (OffloadSettings, build_offload_pipeline, calibration_requests,
+from moe_engine.offload.build import (OffloadSettings, build_offload_pipeline, calibration_requests,
                                 offload_settings, record_routing)
-from moe_engine.pipeline import OffloadPipeline, OffloadStats
-from moe_engine.request import Request, RequestResult
-from moe_engine.routing_profile import find_profile, profile_path
-from moe_engine.sampling import sample
-from moe_engine.scheduler import ScheduledStep, Scheduler
-from moe_engine.sequence import Sequence
-from moe_engine.stats import EngineStats
-from moe_engine.step_inputs import micro_batch_input, sampling_batch
-from moe_engine.tokenization import load_tokenizer
+from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
+from moe_engine.engine.request import Request, RequestResult
+from moe_engine.offload.routing import find_profile, profile_path
+from moe_engine.engine.sampling import sample
+from moe_engine.engine.scheduler import ScheduledStep, Scheduler
+from moe_engine.engine.sequence import Sequence
+from moe_engine.engine.stats import EngineStats
+from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
+from moe_engine.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from moe_engine.batching import partition
-from moe_engine.kv_cache import BlockAllocator
-from moe_engine.sequence import Sequence, SequenceStatus
+from moe_engine.engine.batching import partition
+from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

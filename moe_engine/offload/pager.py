@@ -23,9 +23,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from moe_engine.backend import Backend, CopyHandle
+from moe_engine.offload.backend import Backend, CopyHandle
 from moe_engine.model.weights import ExpertWeights, LayerWeights, ModelWeights
-from moe_engine.routing_profile import RoutingProfile
+from moe_engine.offload.routing import RoutingProfile
 
 
 class DeviceBudgetError(ValueError):

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from moe_engine.backend import make_backend
-from moe_engine.expert_placement import ExpertLatencyProfile, ExpertPlacer, measure_expert_profile
-from moe_engine.model.runner import ModelRunner
-from moe_engine.pager import WeightPager
-from moe_engine.pipeline import OffloadPipeline
-from moe_engine.routing_profile import RoutingProfile, RoutingRecorder, find_profile
-from moe_engine.trace import Trace
+from moe_engine.offload.backend import make_backend
+from moe_engine.offload.placement import ExpertLatencyProfile, ExpertPlacer, measure_expert_profile
+from moe_engine.engine.model_runner import ModelRunner
+from moe_engine.offload.pager import WeightPager
+from moe_engine.offload.pipeline import OffloadPipeline
+from moe_engine.offload.routing import RoutingProfile, RoutingRecorder, find_profile
+from moe_engine.offload.trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     if routing is None:
         if settings.resident_ratio < 1.0:
             log.warning("no routing profile for this model: resident experts chosen by index; "
-                        "record one with moe_engine.routing_profile (calibration run)")
+                        "record one with moe_engine.offload.routing (calibration run)")
         routing = RoutingProfile.uniform(spec.num_layers, spec.num_experts)
     # Only streamed experts are placed by latency; fully resident (a calibration run, or a model
     # that fits) skips the measurement, which costs seconds for real expert sizes.
@@ -102,8 +102,8 @@ def _place_runner_state(runner: ModelRunner, backend, pager: WeightPager,
                         attention_on_device: bool) -> None:
     """RoPE tables on the device; with attention on the device, the KV cache too (the policy
     then budgets it in device memory) and torch's decode attention, which runs on any device."""
-    from moe_engine.attention import DecodeAttention
-    from moe_engine.kv_cache import KVCache
+    from moe_engine.model.attention import DecodeAttention
+    from moe_engine.model.kv_cache import KVCache
 
     rope = runner.rope
     pager.ledger.reserve(rope.cos.nbytes + rope.sin.nbytes, "RoPE tables")
@@ -118,13 +118,13 @@ def _place_runner_state(runner: ModelRunner, backend, pager: WeightPager,
 
 
 def _without_cpu_experts(latency: ExpertLatencyProfile) -> ExpertLatencyProfile:
-    from moe_engine.expert_placement import LatencyCurve
+    from moe_engine.offload.placement import LatencyCurve
 
     return ExpertLatencyProfile(LatencyCurve.linear(_NEVER_ON_CPU, _NEVER_ON_CPU),
                                 latency.device, latency.link_bytes_per_s, latency.expert_bytes)
 
 
-CALIBRATION_CORPUS = Path(__file__).resolve().parent.parent / "data" / "sample_prompts.jsonl"
+CALIBRATION_CORPUS = Path(__file__).resolve().parents[2] / "data" / "sample_prompts.jsonl"
 
 
 def calibration_requests(path: Path = CALIBRATION_CORPUS, limit: int = 32,
@@ -133,7 +133,7 @@ def calibration_requests(path: Path = CALIBRATION_CORPUS, limit: int = 32,
     corpus is not there, e.g. in an installed package without data/)."""
     import json
 
-    from moe_engine.request import Request, SamplingParams
+    from moe_engine.engine.request import Request, SamplingParams
 
     if not path.exists():
         return []
@@ -174,8 +174,8 @@ def calibrate_routing(model_dir: str | Path, requests, config=None, dtype: str =
     from dataclasses import replace
 
     from moe_engine.config import EngineConfig
-    from moe_engine.engine import LLMEngine
-    from moe_engine.routing_profile import profile_path
+    from moe_engine.engine.llm_engine import LLMEngine
+    from moe_engine.offload.routing import profile_path
 
     config = replace(config or EngineConfig(), resident_ratio=1.0, backend="cpu",
                      emulated_link_gbps=None, offload_pipeline=False)

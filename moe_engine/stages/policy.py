@@ -1,0 +1,62 @@
+"""The `policy` rule: choose the engine's execution policy for a shard.
+
+With engine.policy=search the performance model picks batch size, micro-batches, placements and
+the resident expert ratio for the largest shard (each generate job runs one shard alone, and the
+largest has the highest batch bound and memory need), from every row's own prompt and
+generation length. With engine.policy=config the configured knobs are recorded as they are.
+The generate rule applies the result with `engine_config_for`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from moe_engine.config import AppConfig, EngineConfig
+from moe_engine.io import hardware_cache_dir, write_text_atomic
+from moe_engine.stages.tables import STATUS_PENDING
+
+
+def _knobs(engine: EngineConfig) -> dict[str, Any]:
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in engine.__dict__.items()}
+
+
+def shard_lengths(cfg: AppConfig, shards: list[Path]) -> tuple[list[int], list[int] | int]:
+    """Prompt and generation lengths of the largest shard's runnable rows (rejected rows
+    generate nothing); one token and the workload's default when no row can run."""
+    frames = [pl.read_parquet(p).filter(pl.col("status") == STATUS_PENDING) for p in shards]
+    frame = max(frames, key=lambda f: f.height, default=None)
+    if frame is not None and frame.height:
+        return frame["prompt_tokens"].to_list(), frame["max_new_tokens"].to_list()
+    return [1], cfg.workload.max_new_tokens
+
+
+def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[str, Any]:
+    """The policy record the generate jobs read: its source, the search's figures, the knobs."""
+    if cfg.engine.policy.value == "config":
+        return {"source": "config", "engine": _knobs(cfg.engine)}
+    from moe_engine import perf
+
+    lengths, gen_len = shard_lengths(cfg, shards)
+    model = perf.ModelSpec.from_hf_config(Path(model_dir) / "config.json")
+    hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
+    wl = perf.workload_spec_from_lengths(lengths, gen_len)
+    result = perf.choose_policy(model, hw, wl, backend=cfg.engine.backend.value)
+    chosen = perf.apply_policy(cfg.engine, result)
+    return {"source": "search", **result.to_json(), "engine": _knobs(chosen)}
+
+
+def write_policy(policy: dict[str, Any], out: Path) -> None:
+    write_text_atomic(out, json.dumps(policy, indent=2, default=str) + "\n")
+
+
+def engine_config_for(cfg: AppConfig, policy: dict | None) -> EngineConfig:
+    """The engine knobs for this run: the policy's choice when the config asks for search."""
+    engine = cfg.engine
+    if policy is not None and engine.policy.value == "search" and "engine" in policy:
+        allowed = set(EngineConfig.__dataclass_fields__)
+        engine = replace(engine, **{k: v for k, v in policy["engine"].items() if k in allowed})
+    return engine
