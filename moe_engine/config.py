@@ -7,7 +7,6 @@ workflow rule reads the resolved YAML that `compose` + `save_resolved` write, ne
 """
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -169,12 +168,73 @@ def register_schemas() -> None:
 
 
 def parse_overrides(overrides: str | list[str] | None) -> list[str]:
-    """Overrides as given to `snakemake --config overrides="a=1 b.c=2"` (shell-quoted words)."""
+    """Overrides as given to `snakemake --config overrides="a=1 b.c=[x,y]"`.
+
+    Words split on whitespace outside brackets, so a Hydra list (`workload.inputs=[a.jsonl,
+    b.parquet]`) or dict needs no quoting of its own; inside brackets everything is kept for
+    Hydra's parser (quoted strings with spaces included). Outside brackets quotes group a word
+    with spaces, as in a shell. Snakemake strips a quote at either end of a --config value, so
+    an unbalanced quote is first repaired by restoring that end's quote.
+    """
     if overrides is None:
         return []
-    if isinstance(overrides, str):
-        return shlex.split(overrides)
-    return [str(o) for o in overrides]
+    if not isinstance(overrides, str):
+        return [str(o) for o in overrides]
+    words = _split_words(overrides)
+    if words is None:
+        words = _split_words(_restore_stripped_quote(overrides))
+    if words is None:
+        raise ConfigError(f"overrides={overrides!r}: unbalanced quote or bracket")
+    return words
+
+
+_OPEN, _CLOSE, _QUOTES = "[{(", "]})", "'\""
+
+
+def _split_words(text: str) -> list[str] | None:
+    """Whitespace-separated words, brackets and quotes respected; None when unbalanced."""
+    words: list[str] = []
+    word: list[str] = []
+    started = False
+    depth, quote = 0, None
+    for ch in text:
+        if quote is not None:
+            if ch == quote:
+                quote = None
+                if depth:
+                    word.append(ch)
+            else:
+                word.append(ch)
+        elif ch in _QUOTES:
+            quote, started = ch, True
+            if depth:
+                word.append(ch)
+        elif ch.isspace() and depth == 0:
+            if started:
+                words.append("".join(word))
+            word, started = [], False
+        else:
+            depth += (ch in _OPEN) - (ch in _CLOSE)
+            if depth < 0:
+                return None
+            word.append(ch)
+            started = True
+    if quote is not None or depth:
+        return None
+    if started:
+        words.append("".join(word))
+    return words
+
+
+def _restore_stripped_quote(text: str) -> str:
+    """Put back the quote Snakemake stripped from one end of `text`: `A' B` was `'A' B` (the
+    stray quote closes the first word), `B 'A` was `B 'A'` (it opens the last word)."""
+    for q in _QUOTES:
+        if text.count(q) % 2:
+            first = text.index(q)
+            closes_first_word = first > 0 and (first + 1 == len(text) or text[first + 1].isspace())
+            return q + text if closes_first_word else text + q
+    return text
 
 
 def compose(overrides: str | list[str] | None = None, config_dir: Path | str | None = None) -> AppConfig:
@@ -197,7 +257,28 @@ def compose(overrides: str | list[str] | None = None, config_dir: Path | str | N
     app = OmegaConf.to_object(cfg)
     assert isinstance(app, AppConfig)
     validate(app)
+    check_model_files(app)
     return app
+
+
+def check_model_files(cfg: AppConfig) -> None:
+    """A checkpoint directory (model.path) must hold what the engine loads: config.json and
+    safetensors weights. Checked when the workflow composes its config, so a wrong path fails
+    before any rule runs instead of as a missing input or at generate. Built-in presets are
+    built by the workflow and skipped."""
+    m = cfg.model
+    if m.builtin is not None:
+        return
+    path = Path(m.path)
+    _check(path.is_dir(), "model.path", m.path, "no such checkpoint directory")
+    _check((path / "config.json").is_file(), "model.path", m.path,
+           "the directory has no config.json (expected a Hugging Face checkpoint)")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        why = (f"only pickle weights ({', '.join(pickles[:3])}); moe-batch loads safetensors "
+               "only and never unpickles: convert the checkpoint to safetensors"
+               if pickles else "the directory has no *.safetensors weights")
+        _check(False, "model.path", m.path, why)
 
 
 def _describe(exc: BaseException) -> str:

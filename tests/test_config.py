@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from moe_engine.tools.presets import PRESETS
-from moe_engine.config import (AppConfig, ConfigError, DeviceKind, compose, load_resolved,
+from moe_engine.config import (AppConfig, ConfigError, DeviceKind, compose, load_resolved, parse_overrides,
                                save_resolved, save_resolved_if_changed)
 
 
@@ -52,9 +52,52 @@ def test_bad_override_fails_naming_the_key(override, key):
     assert key in str(err.value)
 
 
-def test_real_checkpoint_path_is_accepted():
-    cfg = compose("model=hf model.path=/models/Mixtral-8x7B-v0.1")
-    assert cfg.model.builtin is None and cfg.model.path == "/models/Mixtral-8x7B-v0.1"
+def test_real_checkpoint_path_is_accepted(tiny_mixtral_dir):
+    cfg = compose(f"model=hf model.path={tiny_mixtral_dir}")
+    assert cfg.model.builtin is None and cfg.model.path == str(tiny_mixtral_dir)
+    assert cfg.model_dir == tiny_mixtral_dir
+
+
+def test_missing_checkpoint_dir_fails_when_composed(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.path=.*no such checkpoint directory"):
+        compose(f"model=hf model.path={tmp_path / 'nope'}")
+
+
+def test_checkpoint_without_config_json_fails_when_composed(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"model.path=.*no config.json"):
+        compose(f"model=hf model.path={tmp_path}")
+
+
+def test_pickle_only_checkpoint_fails_when_composed(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(ConfigError, match=r"model.path=.*pytorch_model.bin.*safetensors only"):
+        compose(f"model=hf model.path={tmp_path}")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("model=small-mixtral  engine.kv_cache_gb=2", ["model=small-mixtral", "engine.kv_cache_gb=2"]),
+    # Hydra lists need no quoting of their own
+    ("workload.inputs=[a.jsonl,b.parquet] workload.limit=5",
+     ["workload.inputs=[a.jsonl,b.parquet]", "workload.limit=5"]),
+    # quoted strings inside brackets reach Hydra as written
+    ("workload.stop=['a b', 'c'] workload.limit=5", ["workload.stop=['a b', 'c']", "workload.limit=5"]),
+    # a quoted word groups spaces, as in a shell
+    ('"model.path=/my models/x" workload.limit=5', ["model.path=/my models/x", "workload.limit=5"]),
+    # Snakemake strips a quote at either end of a --config value: the word still parses
+    ("workload.inputs=[a.jsonl,b.parquet]' workload.limit=5",
+     ["workload.inputs=[a.jsonl,b.parquet]", "workload.limit=5"]),
+    ("workload.limit=5 'workload.inputs=[a.jsonl,b.parquet]",
+     ["workload.limit=5", "workload.inputs=[a.jsonl,b.parquet]"]),
+])
+def test_overrides_split_like_the_readme_writes_them(text, words):
+    assert parse_overrides(text) == words
+
+
+def test_unbalanced_override_fails_naming_overrides():
+    with pytest.raises(ConfigError, match="overrides="):
+        parse_overrides("workload.inputs=[a.jsonl")
 
 
 def test_resolved_file_round_trips(tmp_path):
