@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import polars as pl
 
 from moe_engine.config import InputFormat, WorkloadConfig
+from moe_engine.engine.request import SamplingParams
 from moe_engine.stages.tables import CORPUS_SCHEMA, SAMPLING_FIELDS, STATUS_PENDING, STATUS_REJECTED
 
 
@@ -54,6 +55,10 @@ def detect_format(path: Path, configured: InputFormat) -> InputFormat:
     return InputFormat.jsonl
 
 
+# Bounds of the corpus table's Int64 columns (tables.CORPUS_SCHEMA).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _check_messages(value: Any) -> str | None:
     """Reason the value is not a usable chat message list, or None."""
     if not isinstance(value, list) or not value:
@@ -69,7 +74,11 @@ def _check_messages(value: Any) -> str | None:
 
 
 def _check_sampling(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """Per-row sampling fields with their types checked (bool is not an int here)."""
+    """Per-row sampling fields with their types and values checked (bool is not an int here).
+
+    Values are checked here, not only by the engine: a row the engine would refuse (say
+    max_new_tokens 0) must become a rejected row now, before the policy stage sizes the batch
+    from it, and an integer the int64 columns cannot hold must not reach the table."""
     out: dict[str, Any] = {}
     for name in SAMPLING_FIELDS:
         value = raw.get(name)
@@ -78,10 +87,12 @@ def _check_sampling(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         if name in ("max_new_tokens", "top_k", "seed"):
             if isinstance(value, bool) or not isinstance(value, int):
                 return {}, f"{name} must be an integer, got {value!r}"
+            if not INT64_MIN <= value <= INT64_MAX:
+                return {}, f"{name} out of range: {value} does not fit in 64 bits"
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             return {}, f"{name} must be a number, got {value!r}"
         out[name] = value
-    return out, None
+    return out, SamplingParams(**out).validate()
 
 
 def _normalize(raw: Any, row: _Row, fmt: InputFormat, w: WorkloadConfig) -> _Row:
