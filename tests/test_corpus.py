@@ -107,3 +107,22 @@ def test_limit_keeps_first_rows(tmp_path):
     _write_lines(path, [json.dumps({"prompt": f"p{i}"}).encode() for i in range(10)])
     frame = read_corpus(WorkloadConfig(inputs=[str(path)], limit=4))
     assert frame["source_row"].to_list() == [0, 1, 2, 3]
+
+
+def test_rows_the_engine_would_refuse_are_rejected_at_read(tmp_path):
+    """A row with max_new_tokens 0 (or OpenAI max_tokens 0) or a seed beyond int64 used to pass
+    the reader and then stop the policy or shard stage for the whole corpus."""
+    path = tmp_path / "edge.jsonl"
+    _write_lines(path, [json.dumps({"id": "a", "prompt": "Hi"}).encode(),
+                        json.dumps({"id": "z", "prompt": "Hi", "max_new_tokens": 0}).encode(),
+                        b'{"id": "big", "prompt": "Hi", "seed": 99999999999999999999999}',
+                        json.dumps({"id": "p", "prompt": "Hi", "top_p": 0}).encode()])
+    frame = read_corpus(WorkloadConfig(inputs=[str(path)]))
+    errors = dict(zip(frame["id"].to_list(), frame["error"].to_list()))
+    assert errors["a"] is None
+    assert "max_new_tokens" in errors["z"] and "seed" in errors["big"] and "top_p" in errors["p"]
+    batch = tmp_path / "batch.jsonl"
+    _write_lines(batch, [json.dumps({"custom_id": "r0", "body": {"messages": [{"role": "user", "content": "x"}],
+                                                                  "max_tokens": 0}}).encode()])
+    frame = read_corpus(WorkloadConfig(inputs=[str(batch)], format=InputFormat.openai))
+    assert frame["status"].to_list() == ["rejected"] and "max_new_tokens" in frame["error"][0]
