@@ -68,12 +68,39 @@ def _max_positions(model_dir: Path) -> int | None:
     return int(value) if value else None
 
 
+def _tokenizer_class(model_dir: Path) -> Any:
+    """The tokenizers-backed class tokenizer_config.json names, or None when AutoTokenizer has to
+    decide (no class named, or one without a tokenizer.json backend).
+
+    AutoTokenizer imports transformers' configuration machinery and with it torch (~1 s and a
+    few hundred MB), which the light workflow stages (shard) must not pay for; the class it
+    would pick is usually named right in tokenizer_config.json, and importing that alone is cheap.
+    """
+    import json
+
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    config_path, backend = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not (config_path.exists() and backend.exists()):
+        return None
+    name = json.loads(config_path.read_text()).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerFast):
+        return cls
+    return None
+
+
 def load_tokenizer(model_dir: Path | str) -> PromptTokenizer:
     """Load tokenizer.json/tokenizer_config.json of a checkpoint directory (never remote code)."""
-    from transformers import AutoTokenizer
-
     model_dir = Path(model_dir)
-    hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    cls = _tokenizer_class(model_dir)
+    if cls is not None:
+        hf = cls.from_pretrained(str(model_dir))
+    else:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     limit = int(getattr(hf, "model_max_length", _UNSET_MAX_LENGTH) or _UNSET_MAX_LENGTH)
     positions = _max_positions(model_dir)
     if positions is not None:
