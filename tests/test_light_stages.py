@@ -1,0 +1,131 @@
+"""The light workflow stages (shard, policy, merge, report) run without torch or the engine's
+heavy modules: each runs the CLI in a fresh interpreter on the tiny checkpoint, and the modules
+loaded when it exits are checked. A rule that pulls in torch pays ~1 s and a few hundred MB per
+job for nothing, and a stage that needs the engine belongs in `generate`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from moe_engine.config import compose, save_resolved
+from moe_engine.stages.tables import GENERATION_SCHEMA, STATUS_PENDING
+
+REPO = Path(__file__).resolve().parent.parent
+# Module prefixes a light stage must never load: torch and what only the engine needs.
+HEAVY = ("torch", "moe_engine.model", "moe_engine.offload", "moe_engine._kernels",
+         "moe_engine.engine.llm_engine", "moe_engine.engine.model_runner", "safetensors.torch")
+# Runs the CLI as `python -m moe_engine.cli` does, then writes the loaded module names.
+DRIVER = """
+import json, runpy, sys
+out, argv = sys.argv[1], sys.argv[2:]
+sys.argv = ["moe_engine.cli", *argv]
+try:
+    runpy.run_module("moe_engine.cli", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+with open(out, "w") as f:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+"""
+
+
+def run_stage(tmp: Path, *argv: str | Path) -> list[str]:
+    """Run one CLI subcommand in a fresh interpreter; the heavy modules it had loaded at exit."""
+    report = tmp / "modules.json"
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(report), *map(str, argv)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(report.read_text())
+    assert result["code"] in (0, None), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [m for m in result["modules"] if any(m == h or m.startswith(h + ".") for h in HEAVY)]
+
+
+def resolved_config(path: Path, *overrides: str) -> Path:
+    # Figures from the config (hardware.profile=null): the profiler is a separate tool.
+    cfg = compose([f"workload.inputs=[{REPO / 'data' / 'sample_prompts.jsonl'}]",
+                   "workload.num_shards=2", "workload.max_new_tokens=4", "hardware.profile=null",
+                   *overrides])
+    return save_resolved(cfg, path)
+
+
+def fake_generation(shard: Path, out: Path, stats: Path) -> None:
+    """What a generate job leaves behind, without running the engine: every pending row 'ok'
+    with two tokens, and the per-shard stats the report reads."""
+    frame = pl.read_parquet(shard).filter(pl.col("status") == STATUS_PENDING)
+    frame = frame.with_columns(
+        pl.lit("ok").alias("status"), pl.lit("length").alias("finish_reason"),
+        pl.lit(2, dtype=pl.Int64).alias("completion_tokens"), pl.lit("hi").alias("output_text"),
+        pl.lit([5, 6], dtype=pl.List(pl.Int32)).alias("output_token_ids"),
+    ).select([pl.col(k).cast(v) for k, v in GENERATION_SCHEMA.items()])
+    frame.write_parquet(out)
+    n = frame.height
+    engine = {"wall_time_s": 0.5, "decode_tokens": 2 * n, "prefill_time_s": 0.1,
+              "decode_time_s": 0.4, "kv_blocks_high_water": 3, "kv_blocks_total": 8,
+              "preemptions": 0, "timeline": [[0.1, n], [0.5, 2 * n]]}
+    stats.write_text(json.dumps({"shard": shard.stem, "rows": n, "generated_rows": n,
+                                 "resumed_rows": 0, "completion_tokens": 2 * n,
+                                 "wall_time_s": 1.0, "engine": engine}))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, tiny_mixtral_dir):
+    """A config (search policy, CPU figures) and the shard stage's output, checked torch-free."""
+    tmp = tmp_path_factory.mktemp("light")
+    cfg = resolved_config(tmp / "config.yaml", "engine.policy=search")
+    heavy = run_stage(tmp, "shard", "--config", cfg, "--model", tiny_mixtral_dir,
+                      "--out-dir", tmp / "shards")
+    return tmp, cfg, heavy
+
+
+def test_shard_stage_loads_no_torch(sharded):
+    tmp, _, heavy = sharded
+    assert heavy == []
+    manifest = json.loads((tmp / "shards" / "manifest.json").read_text())
+    assert manifest["num_shards"] == 2 and sum(manifest["shard_rows"]) > 0
+
+
+@pytest.mark.parametrize("overrides", [("engine.policy=search",),
+                                       ("engine.policy=search", "hardware=a100", "engine.backend=cuda"),
+                                       ("engine.policy=config",)],
+                         ids=["search-cpu", "search-device", "config"])
+def test_policy_stage_loads_no_torch(sharded, tiny_mixtral_dir, overrides):
+    tmp, _, _ = sharded
+    cfg = resolved_config(tmp / "policy-config.yaml", *overrides)
+    out = tmp / "policy.json"
+    heavy = run_stage(tmp, "policy", "--config", cfg, "--model", tiny_mixtral_dir,
+                      "--shards", tmp / "shards" / "0.parquet", tmp / "shards" / "1.parquet",
+                      "--out", out)
+    assert heavy == []
+    assert json.loads(out.read_text())["source"] == overrides[0].split("=")[1]
+
+
+def test_merge_and_report_stages_load_no_torch(sharded, tiny_mixtral_dir):
+    tmp, cfg, _ = sharded
+    policy = tmp / "search-policy.json"
+    assert run_stage(tmp, "policy", "--config", cfg, "--model", tiny_mixtral_dir,
+                     "--shards", tmp / "shards" / "0.parquet", tmp / "shards" / "1.parquet",
+                     "--out", policy) == []
+    gens, stats = [], []
+    for i in range(2):
+        gens.append(tmp / f"gen-{i}.parquet")
+        stats.append(tmp / "stats" / f"{i}.json")
+        stats[-1].parent.mkdir(exist_ok=True)
+        fake_generation(tmp / "shards" / f"{i}.parquet", gens[-1], stats[-1])
+
+    merged = tmp / "out" / "generations.parquet"
+    merged.parent.mkdir()
+    assert run_stage(tmp, "merge", "--config", cfg, "--shard-dir", tmp / "shards",
+                     "--generations", *gens, "--out", merged) == []
+    assert pl.read_parquet(merged).height == json.loads((tmp / "shards" / "manifest.json").read_text())["num_rows"]
+
+    assert run_stage(tmp, "report", "--config", cfg, "--generations", merged, "--stats", *stats,
+                     "--policy", policy, "--md", tmp / "out" / "report.md",
+                     "--html", tmp / "out" / "report.html") == []
+    assert (tmp / "out" / "plots" / "roofline.png").exists()
+    assert (tmp / "out" / "summary.json").exists()
