@@ -93,7 +93,7 @@ def test_performance_model_counts_the_tiny_checkpoint(builtin_dir, preset):
     assert (perf.num_layers, perf.num_experts, perf.top_k, perf.head_dim, perf.dtype_bytes) == (
         spec.num_layers, spec.num_experts, spec.top_k, spec.head_dim, 4)
     assert perf.num_moe_layers == spec.num_layers - len(spec.dense_layers)
-    assert perf.shared_intermediate == spec.shared_expert_intermediate_size
+    assert perf.shared_expert_intermediate_size == spec.shared_expert_intermediate_size
     state = generate_state_dict(PRESETS[preset], seed=0,
                                 text_vocab=PRESETS[preset].tokenizer_vocab_size)
     assert perf.total_params == sum(t.numel() for t in state.values())

@@ -23,10 +23,34 @@ def test_block_count_follows_byte_budget():
     per_token = kv_bytes_per_token(spec, torch.float32)
     assert per_token == 2 * 2 * 2 * 32 * 4
     n = blocks_for_budget(spec, torch.float32, 0.001, 16)
-    assert n == int(0.001 * 2**30 // (per_token * 16))
+    assert n == int(0.001 * 1e9 // (per_token * 16))  # kv_cache_gb is decimal GB, as every *_gb knob
     assert blocks_for_budget(spec, torch.bfloat16, 0.001, 16) == pytest.approx(2 * n, abs=1)
     cache = KVCache.allocate(spec, n, 16, torch.float32)
     assert cache.key[0].shape == (n, 2, 16, 32) and len(cache.value) == 2
+
+
+def test_kv_bytes_per_token_is_the_specs_at_the_engine_dtype():
+    spec = _spec()
+    assert kv_bytes_per_token(spec, torch.float32) == spec.kv_bytes_per_token  # spec default fp32
+    assert kv_bytes_per_token(spec, torch.bfloat16) == spec.with_dtype("bfloat16").kv_bytes_per_token
+
+
+def test_policy_kv_budget_allocates_the_blocks_the_policy_planned():
+    """apply_policy writes kv_cache_gb in decimal GB; reading it as GiB would give 7% more."""
+    from moe_engine.config import EngineConfig
+    from moe_engine.perf import apply_policy, choose_policy, load_preset, workload_spec_from_lengths
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    m = ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]))
+    result = choose_policy(m, load_preset("cpu"), workload_spec_from_lengths([600] * 64, 32), backend="cpu")
+    planned = result.to_json()["policy"]
+    per_block = m.kv_bytes_per_token * planned["block_size"]
+    planned_blocks = round(planned["kv_cache_bytes"] / per_block)
+    engine = apply_policy(EngineConfig(), result)
+    n = blocks_for_budget(m, torch.bfloat16, engine.kv_cache_gb, engine.block_size)
+    slack = math.ceil(1e6 / per_block)  # apply_policy rounds the budget up to whole MB
+    assert planned_blocks > 20 * slack  # a 7% error would exceed the rounding slack
+    assert planned_blocks <= n <= planned_blocks + slack
 
 
 def test_allocator_tracks_free_blocks_and_high_water():

@@ -22,8 +22,8 @@ def test_parameter_count_matches_published_size(name):
 
 def test_mixtral_fields():
     m = reference_model("mixtral-8x7b")
-    assert (m.num_layers, m.hidden_size, m.expert_intermediate, m.num_heads, m.num_kv_heads, m.head_dim,
-            m.num_experts, m.top_k, m.shared_intermediate, m.dtype_bytes) == (32, 4096, 14336, 32, 8, 128, 8, 2, 0, 2)
+    assert (m.num_layers, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim,
+            m.num_experts, m.top_k, m.shared_expert_intermediate_size, m.dtype_bytes) == (32, 4096, 14336, 32, 8, 128, 8, 2, 0, 2)
     # Per layer: 8 experts x 3 x 4096 x 14336 + attention 4096 x (4096 + 2 x 1024) + 4096 x 4096.
     assert m.experts_params_per_layer == 8 * 3 * 4096 * 14336
     assert m.attn_params_per_layer == 4096 * 6144 + 4096 * 4096
@@ -32,16 +32,16 @@ def test_mixtral_fields():
 def test_qwen2_moe_shared_expert_and_sparse_layers():
     cfg = dict(REFERENCE_CONFIGS["qwen1.5-moe-a2.7b"], decoder_sparse_step=2, mlp_only_layers=[1])
     m = ModelSpec.from_hf_config(cfg)
-    assert m.shared_intermediate == 5632 and m.expert_intermediate == 1408
+    assert m.shared_expert_intermediate_size == 5632 and m.intermediate_size == 1408
     # Sparse iff (i+1) % 2 == 0 and i not in mlp_only: layers 3, 5, ..., 23 -> 11 of 24.
     assert m.num_moe_layers == 11 and m.num_dense_layers == 13
-    assert m.dense_intermediate == 5632
+    assert m.dense_intermediate_size == 5632
 
 
 def test_deepseek_v2_dense_first_layer_and_mla_cache():
     m = reference_model("deepseek-v2-lite")
     assert m.num_moe_layers == 26 and m.num_dense_layers == 1
-    assert m.shared_intermediate == 2 * 1408
+    assert m.shared_expert_intermediate_size == 2 * 1408
     # The HF cache holds per-head K (128 nope + 64 rope) and V (128).
     assert m.kv_bytes_per_token_layer == 16 * (192 + 128) * 2
 

@@ -9,19 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_engine.model.spec import ModelSpec
+from moe_engine.model.spec import GB, ModelSpec
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem
+    """Bytes of K and V one token occupies across all layers, stored in `dtype` (the engine's
+    dtype may override the checkpoint's)."""
+    return spec.with_dtype(str(dtype)).kv_bytes_per_token
 
 
 def blocks_for_budget(spec: ModelSpec, dtype: torch.dtype, budget_gb: float, block_size: int) -> int:
-    """How many blocks of `block_size` tokens fit in `budget_gb` GiB."""
+    """How many blocks of `block_size` tokens fit in `budget_gb` GB (1e9 bytes: the unit the
+    policy search plans kv_cache_gb in, so the engine allocates the blocks it planned)."""
     per_block = kv_bytes_per_token(spec, dtype) * block_size
-    return int(budget_gb * (1 << 30) // per_block)
+    return int(budget_gb * GB // per_block)
 
 
 @dataclass

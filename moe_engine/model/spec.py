@@ -1,12 +1,28 @@
-"""ModelSpec: the shapes and constants of a checkpoint, read from its HF config.json."""
+"""ModelSpec: the shapes and constants of a checkpoint, read from its HF config.json.
+
+The one description of a model that the engine (shapes, flags) and the performance model (sizes
+in bytes) both read; `ModelSpec.from_hf_config` is the only reader of config.json. Sizes are
+bytes; `GB` (1e9 bytes, SI) is the unit of every `*_gb` knob, the KV budget included.
+"""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
-from moe_engine.model.arch import architecture, architecture_name
+from moe_engine.model.arch import UnsupportedArchitectureError, architecture, architecture_name
+
+GB = 1e9
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
+               "half": 2, "fp16": 2, "float8_e4m3fn": 1, "int8": 1}
+# The dtype `with_dtype_bytes` picks for a width (the sizes only depend on the width).
+_DTYPE_OF_WIDTH = {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}
+
+
+class UnsupportedModelError(UnsupportedArchitectureError):
+    """config.json describes a model neither the engine nor the performance model can size."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +42,42 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """DeepSeek-V2 multi-head latent attention, sized for the performance model only (the engine
+    has no name table for DeepSeek). HF caches the decompressed per-head K (nope + rope parts)
+    and V, so that is what a KV slot holds; the weights are the low-rank projections."""
+
+    kv_lora_rank: int
+    q_lora_rank: Optional[int]
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+def dtype_bytes_of(dtype: str) -> int:
+    """Bytes per element of a torch dtype name ("bfloat16", "torch.float32", ...)."""
+    key = str(dtype).replace("torch.", "").lower()
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+def is_sparse_layer(layer: int, decoder_sparse_step: int = 1, mlp_only_layers: Sequence[int] = ()) -> bool:
+    """Qwen-MoE's rule: layer i has routed experts iff it is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0 (architectures without these keys: every layer)."""
+    step = max(1, int(decoder_sparse_step or 1))
+    return layer not in mlp_only_layers and (layer + 1) % step == 0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """Everything the engine needs to know about an architecture instance."""
+    """Everything the engine and the performance model need to know about a model instance.
+
+    `intermediate_size` is one routed expert's width; layers in `dense_layers` have a dense MLP
+    of width `dense_intermediate_size` instead of experts. `shared_expert_intermediate_size` is
+    the total width of the always-active shared experts (0 if none). `torch_dtype` is the dtype
+    the weights are run in: the checkpoint's, or the `model.dtype` override.
+    """
 
     architecture: str
     model_type: str
@@ -40,9 +90,9 @@ class ModelSpec:
     head_dim: int
     num_experts: int
     top_k: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    rope: RopeSpec
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    rope: RopeSpec = field(default_factory=RopeSpec)
     torch_dtype: str = "float32"
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
@@ -57,8 +107,15 @@ class ModelSpec:
     norm_topk_prob: bool = True
     router_weights_fp32: bool = True
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(h -> 1) gate on the shared expert
     dense_intermediate_size: int = 0  # MLP width of the dense layers
     dense_layers: tuple[int, ...] = ()  # layers whose FFN is a dense MLP, not experts
+    mla: Optional[MlaSpec] = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.top_k <= self.num_experts):
+            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
     @property
     def q_size(self) -> int:
@@ -75,8 +132,143 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - len(self.dense_layers)
 
-def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
+    @property
+    def num_dense_layers(self) -> int:
+        return len(self.dense_layers)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return dtype_bytes_of(self.torch_dtype)
+
+    def with_dtype(self, dtype: str) -> "ModelSpec":
+        """The same shapes run in another dtype (the engine's `model.dtype` override)."""
+        dtype_bytes_of(dtype)  # fail on an unknown name here, not at the first size query
+        return replace(self, torch_dtype=str(dtype).replace("torch.", ""))
+
+    def with_dtype_bytes(self, dtype_bytes: int) -> "ModelSpec":
+        """The same shapes stored at another width (what-if sizing)."""
+        return self.with_dtype(_DTYPE_OF_WIDTH[dtype_bytes])
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def qkv_out_features(self) -> int:
+        return self.q_size + self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    @property
+    def attn_params_per_layer(self) -> int:
+        """q, k, v, o projections with their biases and q/k norms (MLA: its low-rank factors)."""
+        h, n_q = self.hidden_size, self.num_heads
+        if self.mla is not None:
+            a = self.mla
+            q_rank = a.q_lora_rank
+            q = h * self.q_size if not q_rank else h * q_rank + q_rank * self.q_size
+            kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * n_q * (a.qk_nope_head_dim + a.v_head_dim)
+            return q + kv + n_q * a.v_head_dim * h
+        params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            params += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            params += h
+        if self.qk_norm == "head":
+            params += 2 * self.head_dim
+        elif self.qk_norm == "projection":
+            params += self.q_size + self.kv_size
+        return params
+
+    @property
+    def expert_params(self) -> int:
+        """gate, up and down projections of one routed expert (SwiGLU)."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts
+
+    @property
+    def shared_params(self) -> int:
+        gate = self.hidden_size if self.shared_expert_gate and self.shared_expert_intermediate_size else 0
+        return 3 * self.hidden_size * self.shared_expert_intermediate_size + gate
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.dense_intermediate_size
+
+    @property
+    def dense_params_per_layer(self) -> int:
+        """Weights every token uses in a MoE layer: attention, router, shared experts, norms."""
+        return self.attn_params_per_layer + self.router_params + self.shared_params + 2 * self.hidden_size
+
+    @property
+    def experts_params_per_layer(self) -> int:
+        return self.num_experts * self.expert_params
+
+    @property
+    def moe_layer_bytes(self) -> int:
+        return (self.dense_params_per_layer + self.experts_params_per_layer) * self.dtype_bytes
+
+    @property
+    def dense_layer_bytes(self) -> int:
+        return (self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size) * self.dtype_bytes
+
+    @property
+    def embedding_bytes(self) -> int:
+        tables = 1 if self.tie_word_embeddings else 2
+        return (tables * self.vocab_size * self.hidden_size + self.hidden_size) * self.dtype_bytes
+
+    @property
+    def layers_bytes(self) -> int:
+        return self.num_moe_layers * self.moe_layer_bytes + self.num_dense_layers * self.dense_layer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers_bytes + self.embedding_bytes
+
+    @property
+    def total_params(self) -> int:
+        return self.total_bytes // self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers (what one slot of the host KV cache holds)."""
+        return self.num_layers * self.kv_bytes_per_token_layer
+
+    @classmethod
+    def from_hf_config(cls, config: str | Path | Mapping[str, Any], *, dtype: Optional[str] = None,
+                       name: Optional[str] = None) -> "ModelSpec":
+        """Read a Hugging Face config.json (path to the file or its directory, or the parsed dict).
+
+        Reads the engine's architectures (arch.ARCHITECTURES) and, for the performance model
+        only, deepseek_v2; any other raises UnsupportedModelError naming it. `dtype`
+        ("bfloat16", "float32", "auto", ...) overrides the checkpoint's, as `model.dtype` does.
+        """
+        if not isinstance(config, Mapping):
+            name = name or _config_path(config).parent.name
+            config = read_config(config)
+        return spec_from_config(config, dtype=dtype, name=name)
+
+
+def _config_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path / "config.json" if path.is_dir() else path
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory (or the file itself)."""
+    return json.loads(_config_path(path).read_text())
+
+
+def _rope_spec(cfg: Mapping[str, Any]) -> RopeSpec:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints write
     # `rope_theta` + optional `rope_scaling`. Accept both.
     params = dict(cfg.get("rope_parameters") or {})
@@ -97,52 +289,81 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
     )
 
 
-def _dense_layers(own: dict[str, Any], num_layers: int, num_experts: int) -> tuple[int, ...]:
-    # Qwen-MoE's rule: layer i has experts iff it is not in mlp_only_layers and
-    # (i + 1) % decoder_sparse_step == 0. Architectures without these keys are all MoE.
-    step = int(own.get("decoder_sparse_step") or 1)
-    mlp_only = set(own.get("mlp_only_layers") or ())
-    return tuple(i for i in range(num_layers)
-                 if i in mlp_only or num_experts == 0 or (i + 1) % step != 0)
+def _num_experts(cfg: Mapping[str, Any]) -> int:
+    """Routed experts: `num_local_experts` (Mixtral), `num_experts` (hub Qwen/OLMoE configs;
+    transformers 5 re-saves some of them as `num_local_experts`), `n_routed_experts` (DeepSeek)."""
+    value = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if not value:
+        raise UnsupportedModelError("config.json has neither num_experts nor num_local_experts")
+    return int(value)
 
 
-def load_spec(model_dir: str | Path) -> ModelSpec:
-    """Parse `config.json` of a HF MoE checkpoint into a ModelSpec.
-
-    Raises UnsupportedArchitectureError, naming the architecture, for one without a table.
-    """
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    name = architecture_name(cfg)
-    arch = architecture(name)
-    own = arch.own_config(cfg)
+def _common(cfg: Mapping[str, Any], dtype: Optional[str], name: Optional[str]) -> dict[str, Any]:
+    """Fields every architecture reads the same way."""
     heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    num_layers = int(cfg["num_hidden_layers"])
-    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    return ModelSpec(
-        architecture=name,
+    chosen = dtype if dtype not in (None, "auto") else (cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    dtype_bytes_of(chosen)
+    return dict(
         model_type=str(cfg.get("model_type", "")),
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-        num_layers=num_layers,
+        num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        num_experts=num_experts,
+        num_experts=_num_experts(cfg),
         top_k=int(cfg["num_experts_per_tok"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rope=_rope_spec(cfg),
-        torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        torch_dtype=str(chosen).replace("torch.", ""),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hidden_act=str(cfg.get("hidden_act", "silu")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        dense_intermediate_size=int(cfg.get("intermediate_size") or 0),
+        name=str(name or cfg.get("_name_or_path") or cfg.get("model_type", "")),
+    )
+
+
+def _deepseek_v2_spec(cfg: Mapping[str, Any], common: dict[str, Any]) -> ModelSpec:
+    rope, nope = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+    q_rank = cfg.get("q_lora_rank")
+    mla = MlaSpec(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(q_rank) if q_rank else None,
+                  qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]))
+    # DeepSeek's rule: the first first_k_dense_replace layers are dense, then every moe_layer_freq-th.
+    first_dense = int(cfg.get("first_k_dense_replace", 0))
+    freq = int(cfg.get("moe_layer_freq", 1))
+    dense = tuple(i for i in range(common["num_layers"]) if i < first_dense or i % freq != 0)
+    return ModelSpec(architecture=architecture_name(cfg), **common, num_kv_heads=common["num_heads"],
+                     head_dim=nope + rope, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * common["intermediate_size"],
+                     dense_layers=dense, mla=mla)
+
+
+def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
+                     name: Optional[str] = None) -> ModelSpec:
+    """ModelSpec from a parsed config.json (see ModelSpec.from_hf_config)."""
+    if cfg.get("model_type") == "deepseek_v2":
+        return _deepseek_v2_spec(cfg, _common(cfg, dtype, name))
+    arch_name = architecture_name(cfg)
+    try:
+        arch = architecture(arch_name)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedModelError(f"{e}; the performance model also sizes deepseek_v2") from None
+    common = _common(cfg, dtype, name)
+    own = arch.own_config(dict(cfg))
+    heads = common["num_heads"]
+    num_layers = common["num_layers"]
+    shared = int(own.get("shared_expert_intermediate_size") or 0)
+    step, mlp_only = own.get("decoder_sparse_step") or 1, tuple(own.get("mlp_only_layers") or ())
+    return ModelSpec(
+        architecture=arch_name,
+        **common,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or common["hidden_size"] // heads),
         # Qwen configs carry a window size even when use_sliding_window is off.
         sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
         # Qwen2-MoE switches q/k/v biases with qkv_bias; Qwen3 and OLMoE switch q/k/v/o biases
         # with attention_bias.
         qkv_bias=bool(own.get("qkv_bias", own.get("attention_bias", False))),
@@ -151,7 +372,19 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         clip_qkv=None if own.get("clip_qkv") is None else float(own["clip_qkv"]),
         norm_topk_prob=bool(own["norm_topk_prob"]),
         router_weights_fp32=arch.router_weights_fp32,
-        shared_expert_intermediate_size=int(own.get("shared_expert_intermediate_size") or 0),
-        dense_intermediate_size=int(cfg["intermediate_size"]),
-        dense_layers=_dense_layers(own, num_layers, num_experts),
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared > 0,  # only Qwen2-MoE reads a shared expert, and it is gated
+        dense_layers=tuple(i for i in range(num_layers) if not is_sparse_layer(i, step, mlp_only)),
     )
+
+
+def load_spec(model_dir: str | Path, dtype: Optional[str] = None) -> ModelSpec:
+    """The spec of the HF checkpoint in `model_dir`, for the engine to run.
+
+    Raises UnsupportedArchitectureError, naming the architecture, for one without a name table.
+    """
+    cfg = read_config(model_dir)
+    # Before parsing: the performance model sizes more models than the engine runs, and the
+    # error should name the architecture, not a key the engine would never read.
+    architecture(architecture_name(cfg))
+    return ModelSpec.from_hf_config(cfg, dtype=dtype, name=_config_path(model_dir).parent.name)

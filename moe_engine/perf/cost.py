@@ -129,7 +129,7 @@ def activation_bytes(m: ModelSpec, tokens: float, seqs: float) -> float:
     copy, fp32 router logits, and fp32 LM-head logits of each sequence's last token."""
     b = m.dtype_bytes
     per_token = (4 * m.hidden_size + m.qkv_out_features) * b
-    per_token += m.top_k * 2 * m.expert_intermediate * b + 2 * m.shared_intermediate * b
+    per_token += m.top_k * 2 * m.intermediate_size * b + 2 * m.shared_expert_intermediate_size * b
     per_token += 4 * m.num_experts
     return tokens * per_token + seqs * 4 * m.vocab_size
 

@@ -13,8 +13,8 @@ def gemm_intensity_per_token(m: ModelSpec) -> float:
     """Lens eq. 1 without the factor n: GEMM FLOPs per weight element read, per parallel token,
     (6 k h h_i + 4h^2 + 4h^2/s) / (6 E h h_i + 4h^2 + 4h^2/s), using the model's real attention
     weight count instead of the 4h^2 + 4h^2/s approximation."""
-    active = 3 * m.top_k * m.hidden_size * m.expert_intermediate + m.attn_params_per_layer + m.shared_params
-    total = 3 * m.num_experts * m.hidden_size * m.expert_intermediate + m.attn_params_per_layer + m.shared_params
+    active = 3 * m.top_k * m.hidden_size * m.intermediate_size + m.attn_params_per_layer + m.shared_params
+    total = 3 * m.num_experts * m.hidden_size * m.intermediate_size + m.attn_params_per_layer + m.shared_params
     return active / total
 
 

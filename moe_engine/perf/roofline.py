@@ -162,10 +162,10 @@ def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
     reads its weights once and runs gate/up/down on its share of the tokens."""
     active = expected_active_experts(mu, m.num_experts, m.top_k)
     per_expert = mu * m.top_k / active if active else 0.0
-    t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.expert_intermediate, m.dtype_bytes)
+    t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.intermediate_size, m.dtype_bytes)
                   + _OPS_PER_EXPERT * proc.op_overhead_s)
-    if m.shared_intermediate:
-        t += _swiglu_time(proc, mu, m.hidden_size, m.shared_intermediate, m.dtype_bytes)
+    if m.shared_expert_intermediate_size:
+        t += _swiglu_time(proc, mu, m.hidden_size, m.shared_expert_intermediate_size, m.dtype_bytes)
     return t
 
 
@@ -176,7 +176,7 @@ def _swiglu_time(proc: Processor, tokens: float, h: int, inter: int, dtype_bytes
 
 def dense_mlp_time(m: ModelSpec, proc: Processor, mu: float) -> float:
     """The dense MLP of a non-MoE layer for `mu` tokens."""
-    return _swiglu_time(proc, mu, m.hidden_size, m.dense_intermediate, m.dtype_bytes)
+    return _swiglu_time(proc, mu, m.hidden_size, m.dense_intermediate_size, m.dtype_bytes)
 
 
 def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from moe_engine.model.spec import is_sparse_layer
 from moe_engine.tools.build_tokenizer import BOS_TOKEN, EOS_TOKEN, SPECIAL_TOKENS
 
 
@@ -48,7 +49,8 @@ class MoePreset:
         return FAMILIES[self.architecture]
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        # The rule the engine reads back from the written config.json (one definition).
+        return is_sparse_layer(layer, self.decoder_sparse_step, self.mlp_only_layers)
 
 
 @dataclass(frozen=True)

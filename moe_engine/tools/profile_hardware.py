@@ -60,12 +60,12 @@ def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
     """(in_features, out_features) of every weight matrix a decode step multiplies by (gate and
     up projections fused into one h -> 2*h_i GEMM, as the engine stores them)."""
     shapes = [(m.hidden_size, m.qkv_out_features), (m.num_heads * m.v_head_dim, m.hidden_size),
-              (m.hidden_size, m.num_experts), (m.hidden_size, 2 * m.expert_intermediate),
-              (m.expert_intermediate, m.hidden_size), (m.hidden_size, m.vocab_size)]
-    if m.shared_intermediate:
-        shapes += [(m.hidden_size, 2 * m.shared_intermediate), (m.shared_intermediate, m.hidden_size)]
-    if m.num_dense_layers and m.dense_intermediate:
-        shapes += [(m.hidden_size, 2 * m.dense_intermediate), (m.dense_intermediate, m.hidden_size)]
+              (m.hidden_size, m.num_experts), (m.hidden_size, 2 * m.intermediate_size),
+              (m.intermediate_size, m.hidden_size), (m.hidden_size, m.vocab_size)]
+    if m.shared_expert_intermediate_size:
+        shapes += [(m.hidden_size, 2 * m.shared_expert_intermediate_size), (m.shared_expert_intermediate_size, m.hidden_size)]
+    if m.num_dense_layers and m.dense_intermediate_size:
+        shapes += [(m.hidden_size, 2 * m.dense_intermediate_size), (m.dense_intermediate_size, m.hidden_size)]
     return list(dict.fromkeys(shapes))
 
 
