@@ -160,14 +160,21 @@ def test_killed_generate_job_resumes_without_redoing_checkpointed_rows(tmp_path,
     assert resumed.select(cols).equals(reference.select(cols))
 
 
-def test_openai_batch_round_trip(tmp_path):
+def test_openai_batch_round_trip_in_results_dir_with_spaces(tmp_path):
+    # Paths with spaces reach every rule's command quoted; each rule leaves its benchmark file.
     run_snakemake(tmp_path, f"workload=openai-batch workload.inputs=[{REPO / 'data' / 'openai_batch_example.jsonl'}]"
-                            " engine.policy=config")
+                            " engine.policy=config results_dir='my results' resources_dir='my resources'")
+    results = tmp_path / "my results"
     inputs = [json.loads(l) for l in (REPO / "data" / "openai_batch_example.jsonl").read_text().splitlines() if l.strip()]
-    outputs = [json.loads(l) for l in (tmp_path / "results" / "batch_output.jsonl").read_text().splitlines()]
+    outputs = [json.loads(l) for l in (results / "batch_output.jsonl").read_text().splitlines()]
     assert [o["custom_id"] for o in outputs] == [i["custom_id"] for i in inputs]
     for i, o in zip(inputs, outputs):
         assert o["error"] is None
         body = o["response"]["body"]
         assert body["object"] == "chat.completion"
         assert body["usage"]["completion_tokens"] <= i["body"]["max_tokens"]
+    benchmarks = {p.relative_to(results / "benchmarks").as_posix()
+                  for p in (results / "benchmarks").rglob("*.tsv")}
+    assert benchmarks == {"prepare_model.tsv", "shard.tsv", "policy.tsv", "generate/0.tsv",
+                          "merge.tsv", "report.tsv"}
+    assert (results / "summary.json").exists() and (results / "plots" / "throughput.png").exists()

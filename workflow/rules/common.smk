@@ -11,4 +11,7 @@ GENERATIONS = f"{RESULTS}/generations.parquet"
 OPENAI_OUTPUT = [f"{RESULTS}/batch_output.jsonl"] if APP.workload.format.value == "openai" else []
 REPORT_HTML = f"{RESULTS}/report.html"
 REPORT_MD = f"{RESULTS}/report.md"
+# The report stage writes these beside report.md (see moe_engine.stages.report.write_report).
+REPORT_SUMMARY = f"{RESULTS}/summary.json"
+REPORT_PLOTS = f"{RESULTS}/plots"
 USES_GPU = 1 if APP.engine.backend.value == "cuda" else 0

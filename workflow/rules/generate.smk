@@ -18,6 +18,6 @@ rule generate:
         mem_mb=8000,
         gpu=USES_GPU,
     shell:
-        "{PY} -m moe_engine.cli generate --config {input.cfg} --model {input.model}"
-        " --shard {input.shard} --policy {input.policy} --out {output.generations}"
-        " --stats {output.stats} --threads {threads} 2>&1 | tee {log} >&2"
+        "{PY:q} -m moe_engine.cli generate --config {input.cfg:q} --model {input.model:q}"
+        " --shard {input.shard:q} --policy {input.policy:q} --out {output.generations:q}"
+        " --stats {output.stats:q} --threads {threads} 2>&1 | tee {log:q} >&2"

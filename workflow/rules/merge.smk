@@ -9,12 +9,16 @@ rule merge:
         merged=GENERATIONS,
         openai=OPENAI_OUTPUT,
     params:
-        openai=f"--openai-out {OPENAI_OUTPUT[0]}" if OPENAI_OUTPUT else "",
+        # A list, so `:q` quotes the path on its own; empty (no argument) for other formats.
+        openai=["--openai-out", *OPENAI_OUTPUT] if OPENAI_OUTPUT else [],
     log:
         f"{LOGS}/merge.log",
+    benchmark:
+        f"{BENCH}/merge.tsv"
     threads: 1
     resources:
         mem_mb=2000,
     shell:
-        "{PY} -m moe_engine.cli merge --config {input.cfg} --shard-dir {SHARD_DIR}"
-        " --generations {input.generations} --out {output.merged} {params.openai} > {log} 2>&1"
+        "{PY:q} -m moe_engine.cli merge --config {input.cfg:q} --shard-dir {SHARD_DIR:q}"
+        " --generations {input.generations:q} --out {output.merged:q} {params.openai:q}"
+        " > {log:q} 2>&1"

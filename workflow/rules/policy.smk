@@ -9,9 +9,11 @@ rule policy:
         POLICY,
     log:
         f"{LOGS}/policy.log",
+    benchmark:
+        f"{BENCH}/policy.tsv"
     threads: 1
     resources:
         mem_mb=1000,
     shell:
-        "{PY} -m moe_engine.cli policy --config {input.cfg} --model {input.model}"
-        " --shards {input.shards} --out {output} > {log} 2>&1"
+        "{PY:q} -m moe_engine.cli policy --config {input.cfg:q} --model {input.model:q}"
+        " --shards {input.shards:q} --out {output:q} > {log:q} 2>&1"

@@ -8,8 +8,10 @@ if APP.model.builtin is not None:
             directory(MODEL_DIR),
         log:
             f"{LOGS}/prepare_model.log",
+        benchmark:
+            f"{BENCH}/prepare_model.tsv"
         threads: 1
         resources:
             mem_mb=4000,
         shell:
-            "{PY} -m moe_engine.cli prepare-model --config {input.cfg} --out {output} > {log} 2>&1"
+            "{PY:q} -m moe_engine.cli prepare-model --config {input.cfg:q} --out {output:q} > {log:q} 2>&1"

@@ -1,4 +1,7 @@
 # Throughput, time split, prediction vs measurement, KV use and rejected rows, with plots.
+# The report writes summary.json and its PNGs beside report.md; which PNGs depends on the run
+# (rows-not-generated only when some were, the roofline only for a searched policy), so the
+# plots folder is the declared output.
 rule report:
     input:
         cfg=RESOLVED,
@@ -8,12 +11,16 @@ rule report:
     output:
         html=REPORT_HTML,
         md=REPORT_MD,
+        summary=REPORT_SUMMARY,
+        plots=directory(REPORT_PLOTS),
     log:
         f"{LOGS}/report.log",
+    benchmark:
+        f"{BENCH}/report.tsv"
     threads: 1
     resources:
         mem_mb=2000,
     shell:
-        "{PY} -m moe_engine.cli report --config {input.cfg} --generations {input.generations}"
-        " --stats {input.stats} --policy {input.policy} --md {output.md} --html {output.html}"
-        " > {log} 2>&1"
+        "{PY:q} -m moe_engine.cli report --config {input.cfg:q} --generations {input.generations:q}"
+        " --stats {input.stats:q} --policy {input.policy:q} --md {output.md:q}"
+        " --html {output.html:q} > {log:q} 2>&1"

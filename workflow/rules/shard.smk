@@ -10,9 +10,11 @@ rule shard:
         manifest=f"{SHARD_DIR}/manifest.json",
     log:
         f"{LOGS}/shard.log",
+    benchmark:
+        f"{BENCH}/shard.tsv"
     threads: 1
     resources:
         mem_mb=2000,
     shell:
-        "{PY} -m moe_engine.cli shard --config {input.cfg} --model {input.model}"
-        " --out-dir {SHARD_DIR} > {log} 2>&1"
+        "{PY:q} -m moe_engine.cli shard --config {input.cfg:q} --model {input.model:q}"
+        " --out-dir {SHARD_DIR:q} > {log:q} 2>&1"
