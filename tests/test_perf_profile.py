@@ -78,3 +78,13 @@ def test_cached_profile_without_host_figures_is_extended(tiny, tiny_profile, tmp
     again = ensure_profile(path, model=tiny, fast=True)
     assert all(again[k] > 0 for k in ("host_step_us", "host_seq_us", "host_token_us"))
     assert again["gemm"] == data["gemm"]  # nothing else re-measured
+
+
+def test_cli_ensure_keeps_a_covering_profile(tiny_profile, tmp_path, capsys):
+    """What the policy stage runs on a cache miss: measures only what the cache lacks."""
+    _, data = tiny_profile
+    out = tmp_path / "cached.yaml"
+    out.write_text(yaml.safe_dump(data))
+    before = out.stat().st_mtime_ns
+    assert main(["--ensure", "--out", str(out), "--model", "tiny-mixtral", "--fast"]) == 0
+    assert out.stat().st_mtime_ns == before and "covers tiny-mixtral" in capsys.readouterr().out

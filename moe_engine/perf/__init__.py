@@ -1,9 +1,11 @@
-"""Performance model, policy search and hardware profiler (DESIGN.md section 5).
+"""Performance model and policy search (DESIGN.md section 5).
 
-Pure functions over frozen dataclasses: `specs` (ModelSpec, HardwareSpec, WorkloadSpec),
-`roofline` (operator costs), `model` (per-layer decode latency, prefill, memory), `search`
-(policy search), `lens` (MoE-Lens stage 1/2, Klotski's planner), `hardware` (specs from config,
-presets and profiles), `profile` (the profiler; `python -m moe_engine.tools.profile_hardware`), `plot`.
+Pure functions over frozen dataclasses: `specs` (HardwareSpec, WorkloadSpec; ModelSpec is the
+engine's, from model/spec.py), `roofline` (operator costs), `cost` (per-layer decode latency,
+prefill, memory), `search` (policy search), `lens` (MoE-Lens stage 1/2, Klotski's planner),
+`hardware` (specs from config, presets and profile YAMLs), `plot`. Nothing here imports torch,
+the engine or the tools: the profiler (`python -m moe_engine.tools.profile_hardware`) measures,
+this package only reads what it wrote (tests/test_perf_purity.py).
 """
 from .hardware import cached_profile_path, hardware_spec_from_config, load_preset, machine_fingerprint
 from .lens import (Stage1Bound, Stage2Prediction, kv_bytes_to_saturate, klotski_min_batches,

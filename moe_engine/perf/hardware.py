@@ -8,16 +8,22 @@ the schema does not know); `hardware.profile` points at it.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import platform
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
 from .specs import GB, TFLOPS, GemmPoint, HardwareSpec, ModelSpec
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
+# The compiled decode-attention kernel (moe_engine/_kernels, imported by model/paged_attention).
+CYTHON_KERNEL_MODULE = "moe_engine._kernels.paged_attention"
+# Engine-loop figures a profile must carry (profiles from before they existed lack them).
+HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us")
 
 
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
@@ -66,7 +72,10 @@ def load_profile(path: Path | str) -> dict[str, Any]:
 
 def machine_fingerprint() -> str:
     """Short hash of what decides the measured rates: CPU model, usable cores, memory size,
-    torch version, accelerator name and whether the Cython attention kernel is built."""
+    torch version, accelerator name and whether the Cython attention kernel is built.
+
+    Read from package metadata and /proc, not by importing torch or the kernels, so the
+    performance model stays importable (and fast) without them."""
     cpu_model = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -79,19 +88,24 @@ def machine_fingerprint() -> str:
     mem_gb = round(total_memory_bytes() / GB)
     parts = [cpu_model, str(cores), str(mem_gb), platform.machine()]
     try:
-        import torch
-
-        parts.append(torch.__version__)
-        parts.append(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-cuda")
-    except Exception:  # torch missing or CUDA query failing: the CPU identity still counts
+        parts.append(importlib.metadata.version("torch"))
+        parts.append(gpu_name())
+    except importlib.metadata.PackageNotFoundError:
         parts.append("no-torch")
-    try:
-        from moe_engine.model.paged_attention import HAS_CYTHON_KERNELS
-
-        parts.append(f"cython={HAS_CYTHON_KERNELS}")
-    except Exception:
-        parts.append("cython=unknown")
+    parts.append(f"cython={importlib.util.find_spec(CYTHON_KERNEL_MODULE) is not None}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def gpu_name() -> str:
+    """The first NVIDIA GPU's model name from the driver's /proc files, else "no-cuda"."""
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            continue
+    return "no-cuda"
 
 
 def total_memory_bytes() -> float:
@@ -109,14 +123,42 @@ def cached_profile_path(cache_dir: Path | str) -> Path:
     return Path(cache_dir) / f"{machine_fingerprint()}.yaml"
 
 
+def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every weight matrix a decode step multiplies by (gate and
+    up projections fused into one h -> 2*h_i GEMM, as the engine stores them)."""
+    shapes = [(m.hidden_size, m.qkv_out_features), (m.num_heads * m.v_head_dim, m.hidden_size),
+              (m.hidden_size, m.num_experts), (m.hidden_size, 2 * m.intermediate_size),
+              (m.intermediate_size, m.hidden_size), (m.hidden_size, m.vocab_size)]
+    if m.shared_expert_intermediate_size:
+        s = m.shared_expert_intermediate_size
+        shapes += [(m.hidden_size, 2 * s), (s, m.hidden_size)]
+    if m.num_dense_layers and m.dense_intermediate_size:
+        d = m.dense_intermediate_size
+        shapes += [(m.hidden_size, 2 * d), (d, m.hidden_size)]
+    return list(dict.fromkeys(shapes))
+
+
+def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
+    """Whether a profile has every figure the models need: the engine-loop figures and the
+    GEMM rates of each model's weight shapes in its dtype."""
+    have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
+    return (all(k in data for k in HOST_KEYS)
+            and all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m)))
+
+
+class ProfileMissing(FileNotFoundError):
+    """hardware.profile=auto and the machine's cached profile is absent or lacks the model."""
+
+
 def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None = None) -> HardwareSpec:
     """HardwareSpec for a HardwareConfig (the `hardware` group of the Hydra config).
 
     profile None: the config's figures. profile "auto": the profile cached under
-    cache_dir/<machine fingerprint>.yaml, measured now if missing (or, given `model`, if it lacks
-    that model's GEMM shapes, which are then measured and added). Any other value: a path to a
-    profile YAML. Profiled figures replace the config's; capacities the profile did not measure
-    (device memory on a CUDA machine is measured, host memory always) come from the profile too.
+    cache_dir/<machine fingerprint>.yaml; raises ProfileMissing if it is absent or (given `model`)
+    lacks that model's figures: measuring is the profiler's job (the policy stage runs it first),
+    never the performance model's. Any other value: a path to a profile YAML. Profiled figures
+    replace the config's; capacities the profile did not measure (device memory on a CUDA machine
+    is measured, host memory always) come from the profile too.
     """
     figures = {k: getattr(hw, k) for k in ("name", "device", "device_memory_gb", "host_memory_gb", "link_gbps",
                                            "device_bw_gbps", "cpu_bw_gbps", "device_tflops", "cpu_tflops",
@@ -126,9 +168,13 @@ def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None
     if profile is None:
         return spec_from_figures(figures)
     if profile == "auto":
-        from moe_engine.tools.profile_hardware import ensure_profile
-
-        data = ensure_profile(cached_profile_path(cache_dir), model=model)
+        path = cached_profile_path(cache_dir)
+        data = load_profile(path) if path.exists() else None
+        if data is None or not profile_covers(data, [model] if model is not None else []):
+            raise ProfileMissing(
+                f"no hardware profile of this machine{' for ' + model.name if model else ''} at {path}; "
+                f"measure it with: python -m moe_engine.tools.profile_hardware --ensure --out {path}"
+                + (" --model <checkpoint dir>" if model else ""))
     else:
         data = load_profile(profile)
     merged = dict(figures)

@@ -19,7 +19,7 @@ from .cost import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOKENS, MemoryUse, Policy
                     activation_bytes, peak_activation_bytes, device_budget, device_weight_bytes, is_cpu_backend, kv_bytes, memory_use,
                     predict)
 from .roofline import decode_attention_cost, expected_active_experts
-from .specs import HardwareSpec, ModelSpec, WorkloadSpec
+from .specs import GB, HardwareSpec, ModelSpec, WorkloadSpec
 
 # Micro-batch sizes and micro-batch counts tried. Geometric with ratio ~1.5 so that the best grid
 # point is within ~20% of the continuous optimum in N and mu.
@@ -228,7 +228,8 @@ def apply_policy(engine, policy: "PolicyResult | Mapping[str, Any]"):
     prefill pass size -> max_prefill_tokens. Returns a new EngineConfig."""
     data = policy.to_json() if isinstance(policy, PolicyResult) else dict(policy)
     p = data["policy"]
-    kv_gb = math.ceil(p["kv_cache_bytes"] / 1e9 * 1000.0) / 1000.0
+    # Rounded up to whole MB so the engine (blocks_for_budget, also decimal GB) gets every block.
+    kv_gb = math.ceil(p["kv_cache_bytes"] / GB * 1000.0) / 1000.0
     return dataclasses.replace(
         engine,
         max_num_seqs=int(p["batch_size"]),

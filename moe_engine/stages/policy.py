@@ -9,6 +9,8 @@ The generate rule applies the result with `engine_config_for`.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,12 +43,31 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     from moe_engine import perf
 
     lengths, gen_len = shard_lengths(cfg, shards)
-    model = perf.ModelSpec.from_hf_config(Path(model_dir) / "config.json")
+    dtype = cfg.model.dtype.value
+    model = perf.ModelSpec.from_hf_config(model_dir, dtype=dtype)
+    if cfg.hardware.profile == "auto":
+        ensure_machine_profile(model, model_dir, dtype)
     hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
     wl = perf.workload_spec_from_lengths(lengths, gen_len)
     result = perf.choose_policy(model, hw, wl, backend=cfg.engine.backend.value)
     chosen = perf.apply_policy(cfg.engine, result)
     return {"source": "search", **result.to_json(), "engine": _knobs(chosen)}
+
+
+def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
+    """Measure this machine (hardware.profile=auto) if its cached profile is missing or lacks the
+    model's GEMM shapes. The profiler runs as its own process: it needs torch and the kernels,
+    which the performance model must not import."""
+    from moe_engine.perf.hardware import cached_profile_path, load_profile, profile_covers
+
+    path = cached_profile_path(hardware_cache_dir())
+    if path.exists() and profile_covers(load_profile(path), [model]):
+        return
+    cmd = [sys.executable, "-m", "moe_engine.tools.profile_hardware", "--ensure", "--out", str(path),
+           "--model", str(model_dir)]
+    if dtype != "auto":
+        cmd += ["--dtype", dtype]
+    subprocess.run(cmd, check=True)
 
 
 def write_policy(policy: dict[str, Any], out: Path) -> None:

@@ -8,6 +8,7 @@ pinned host-to-device bandwidth and device GEMM rates. The VM is noisy, so each 
 median of several timed batches.
 
     python -m moe_engine.tools.profile_hardware [--out this.yaml] [--model small-mixtral] [--fast]
+    python -m moe_engine.tools.profile_hardware --ensure --model <checkpoint dir>   # the policy stage
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ import yaml
 
 from moe_engine.io import hardware_cache_dir, write_text_atomic
 
-from moe_engine.perf.hardware import total_memory_bytes, load_profile, machine_fingerprint
+# gemm_shapes is re-exported: callers import it from here.
+from moe_engine.perf.hardware import (HOST_KEYS, gemm_shapes, load_profile, machine_fingerprint, profile_covers,
+                                      total_memory_bytes)
 from moe_engine.perf.specs import GB, ModelSpec
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -54,19 +57,6 @@ def _median_time(fn: Callable[[], Any], min_batch_s: float, trials: int, sync: C
         sync()
         times.append((time.perf_counter() - t0) / reps)
     return statistics.median(times)
-
-
-def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
-    """(in_features, out_features) of every weight matrix a decode step multiplies by (gate and
-    up projections fused into one h -> 2*h_i GEMM, as the engine stores them)."""
-    shapes = [(m.hidden_size, m.qkv_out_features), (m.num_heads * m.v_head_dim, m.hidden_size),
-              (m.hidden_size, m.num_experts), (m.hidden_size, 2 * m.intermediate_size),
-              (m.intermediate_size, m.hidden_size), (m.hidden_size, m.vocab_size)]
-    if m.shared_expert_intermediate_size:
-        shapes += [(m.hidden_size, 2 * m.shared_expert_intermediate_size), (m.shared_expert_intermediate_size, m.hidden_size)]
-    if m.num_dense_layers and m.dense_intermediate_size:
-        shapes += [(m.hidden_size, 2 * m.dense_intermediate_size), (m.dense_intermediate_size, m.hidden_size)]
-    return list(dict.fromkeys(shapes))
 
 
 def _torch_dtype(dtype_bytes: int):
@@ -323,17 +313,6 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     return data
 
 
-HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us")
-
-
-def _covers(data: dict[str, Any], models: list[ModelSpec]) -> bool:
-    """Whether a cached profile has every figure the model needs (profiles written before the
-    host-overhead figures existed lack them and are extended)."""
-    have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
-    return (all(k in data for k in HOST_KEYS)
-            and all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m)))
-
-
 def write_profile(data: dict[str, Any], path: Path | str) -> Path:
     """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
     return write_text_atomic(path, "# Measured by python -m moe_engine.tools.profile_hardware; GB, GB/s, "
@@ -346,7 +325,7 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
     models = [model] if model is not None else []
     if path.exists():
         data = load_profile(path)
-        if _covers(data, models):
+        if profile_covers(data, models):
             return data
         extra = profile_machine(models, fast=fast)
         have = {(r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
@@ -391,9 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="override the model dtype (bfloat16, float32)")
     parser.add_argument("--fast", action="store_true", help="fewer token counts and shorter timings (tests)")
     parser.add_argument("--threads", type=int, default=0, help="threads to measure with (0 = all cores)")
+    parser.add_argument("--ensure", action="store_true",
+                        help="keep the profile at --out and measure only what it lacks for the models")
     args = parser.parse_args(argv)
     models = [resolve_model(m, args.dtype) for m in args.model] or [_default_model()]
     out = args.out or hardware_cache_dir() / f"{machine_fingerprint()}.yaml"
+    if args.ensure:
+        for m in models:
+            ensure_profile(out, model=m, fast=args.fast)
+        print(f"profile at {out} covers {', '.join(m.name for m in models)}")
+        return 0
     data = profile_machine(models, fast=args.fast, threads=args.threads)
     write_profile(data, out)
     print(f"profile written to {out} in {data['profile_seconds']} s: read {data['cpu_bw_gbps']} GB/s, "

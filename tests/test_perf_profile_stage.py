@@ -1,0 +1,44 @@
+"""The policy stage, not the performance model, runs the profiler when the machine's cached
+profile is missing or lacks the model; a covering cache is used as it is."""
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import yaml
+
+from moe_engine.perf import ModelSpec
+from moe_engine.perf.hardware import HOST_KEYS, cached_profile_path, gemm_shapes
+from moe_engine.stages import policy as stage
+
+
+def _model(tmp_path):
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    model_dir = tmp_path / "tiny-mixtral"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hf_config(PRESETS["tiny-mixtral"])))
+    return model_dir, ModelSpec.from_hf_config(model_dir, dtype="bfloat16")
+
+
+def test_missing_profile_runs_the_profiler_for_the_checkpoint(tmp_path, monkeypatch):
+    model_dir, model = _model(tmp_path)
+    calls = []
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
+    stage.ensure_machine_profile(model, model_dir, "bfloat16")
+    path = cached_profile_path(tmp_path / "hw")
+    assert calls == [[sys.executable, "-m", "moe_engine.tools.profile_hardware", "--ensure", "--out", str(path),
+                      "--model", str(model_dir), "--dtype", "bfloat16"]]
+
+
+def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):
+    model_dir, model = _model(tmp_path)
+    path = cached_profile_path(tmp_path / "hw")
+    path.parent.mkdir()
+    rows = [{"inp": i, "out": o, "tokens": 1, "dtype_bytes": 2, "gflops": 1.0} for i, o in gemm_shapes(model)]
+    path.write_text(yaml.safe_dump({"device_tflops": 1.0, "gemm": rows, **{k: 1.0 for k in HOST_KEYS}}))
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", None)  # any measuring would fail
+    stage.ensure_machine_profile(model, model_dir, "auto")
