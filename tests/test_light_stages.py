@@ -105,6 +105,22 @@ def test_policy_stage_loads_no_torch(sharded, tiny_mixtral_dir, overrides):
     assert json.loads(out.read_text())["source"] == overrides[0].split("=")[1]
 
 
+def test_policy_stage_with_a_profile_file_loads_no_torch(sharded, tiny_mixtral_dir):
+    # A measured profile given as a file is read, not measured: no profiler, no torch.
+    tmp, _, _ = sharded
+    profile = tmp / "profile.yaml"
+    profile.write_text("name: profiled-test\ndevice_tflops: 0.3\ncpu_tflops: 0.3\n"
+                       "cpu_bw_gbps: 15.0\ndevice_bw_gbps: 15.0\nlink_gbps: 15.0\n")
+    cfg = resolved_config(tmp / "profile-config.yaml", "engine.policy=search",
+                          f"hardware.profile={profile}")
+    out = tmp / "profile-policy.json"
+    heavy = run_stage(tmp, "policy", "--config", cfg, "--model", tiny_mixtral_dir,
+                      "--shards", tmp / "shards" / "0.parquet", tmp / "shards" / "1.parquet",
+                      "--out", out)
+    assert heavy == []
+    assert json.loads(out.read_text())["hardware"]["name"] == "profiled-test"
+
+
 def test_merge_and_report_stages_load_no_torch(sharded, tiny_mixtral_dir):
     tmp, cfg, _ = sharded
     policy = tmp / "search-policy.json"
