@@ -5,12 +5,14 @@ job for nothing, and a stage that needs the engine belongs in `generate`."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
+import yaml
 
 from moe_engine.config import compose, save_resolved
 from moe_engine.stages.tables import GENERATION_SCHEMA, STATUS_PENDING
@@ -19,8 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 # Module prefixes a light stage must never load: torch and what only the engine needs.
 HEAVY = ("torch", "moe_engine.model", "moe_engine.offload", "moe_engine._kernels",
          "moe_engine.engine.llm_engine", "moe_engine.engine.model_runner", "safetensors.torch")
-# The torch-free part of moe_engine.model: the config.json reader the performance model uses.
-LIGHT = {"moe_engine.model", "moe_engine.model.spec", "moe_engine.model.arch"}
+# Allowed after all: the torch-free part of moe_engine.model (the config.json reader the
+# performance model uses) and the kernels' empty package (the machine fingerprint looks up the
+# compiled kernel's module spec, which imports the package, not the kernel).
+LIGHT = {"moe_engine.model", "moe_engine.model.spec", "moe_engine.model.arch", "moe_engine._kernels"}
 # Runs the CLI as `python -m moe_engine.cli` does, then writes the loaded module names.
 DRIVER = """
 import json, runpy, sys
@@ -37,11 +41,12 @@ with open(out, "w") as f:
 """
 
 
-def run_stage(tmp: Path, *argv: str | Path) -> list[str]:
+def run_stage(tmp: Path, *argv: str | Path, env: dict[str, str] | None = None) -> list[str]:
     """Run one CLI subcommand in a fresh interpreter; the heavy modules it had loaded at exit."""
     report = tmp / "modules.json"
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(report), *map(str, argv)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(report.read_text())
     assert result["code"] in (0, None), proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -49,10 +54,10 @@ def run_stage(tmp: Path, *argv: str | Path) -> list[str]:
             if m not in LIGHT and any(m == h or m.startswith(h + ".") for h in HEAVY)]
 
 
-def resolved_config(path: Path, *overrides: str) -> Path:
-    # Figures from the config (hardware.profile=null): the profiler is a separate tool.
+def resolved_config(path: Path, *overrides: str, profile: str = "null") -> Path:
+    # Figures from the config by default (hardware.profile=null): measuring is the profiler's job.
     cfg = compose([f"workload.inputs=[{REPO / 'data' / 'sample_prompts.jsonl'}]",
-                   "workload.num_shards=2", "workload.max_new_tokens=4", "hardware.profile=null",
+                   "workload.num_shards=2", "workload.max_new_tokens=4", f"hardware.profile={profile}",
                    *overrides])
     return save_resolved(cfg, path)
 
@@ -114,14 +119,39 @@ def test_policy_stage_with_a_profile_file_loads_no_torch(sharded, tiny_mixtral_d
     profile = tmp / "profile.yaml"
     profile.write_text("name: profiled-test\ndevice_tflops: 0.3\ncpu_tflops: 0.3\n"
                        "cpu_bw_gbps: 15.0\ndevice_bw_gbps: 15.0\nlink_gbps: 15.0\n")
-    cfg = resolved_config(tmp / "profile-config.yaml", "engine.policy=search",
-                          f"hardware.profile={profile}")
+    cfg = resolved_config(tmp / "profile-config.yaml", "engine.policy=search", profile=str(profile))
     out = tmp / "profile-policy.json"
     heavy = run_stage(tmp, "policy", "--config", cfg, "--model", tiny_mixtral_dir,
                       "--shards", tmp / "shards" / "0.parquet", tmp / "shards" / "1.parquet",
                       "--out", out)
     assert heavy == []
     assert json.loads(out.read_text())["hardware"]["name"] == "profiled-test"
+
+
+def test_policy_stage_with_the_machine_profile_cached_loads_no_torch(sharded, tiny_mixtral_dir):
+    # hardware.profile=auto with a cached profile that covers the model: read, not measured.
+    from moe_engine.config import load_resolved
+    from moe_engine.perf import ModelSpec
+    from moe_engine.perf.hardware import HOST_KEYS, cached_profile_path, gemm_shapes, profile_covers
+
+    tmp, _, _ = sharded
+    cfg = resolved_config(tmp / "auto-config.yaml", "engine.policy=search", profile="auto")
+    model = ModelSpec.from_hf_config(tiny_mixtral_dir, dtype=load_resolved(cfg).model.dtype.value)
+    cache = tmp / "machine-cache"
+    path = cached_profile_path(cache / "hardware")
+    path.parent.mkdir(parents=True)
+    rows = [{"inp": i, "out": o, "tokens": 1, "dtype_bytes": model.dtype_bytes, "gflops": 50.0}
+            for i, o in gemm_shapes(model)]
+    data = {"name": "profiled-cached", "device_tflops": 0.3, "cpu_tflops": 0.3, "cpu_bw_gbps": 15.0,
+            "device_bw_gbps": 15.0, "link_gbps": 15.0, "gemm": rows, **{k: 1.0 for k in HOST_KEYS}}
+    assert profile_covers(data, [model])
+    path.write_text(yaml.safe_dump(data))
+    out = tmp / "auto-policy.json"
+    heavy = run_stage(tmp, "policy", "--config", cfg, "--model", tiny_mixtral_dir,
+                      "--shards", tmp / "shards" / "0.parquet", tmp / "shards" / "1.parquet",
+                      "--out", out, env={"MOE_BATCH_CACHE": str(cache)})
+    assert heavy == []
+    assert json.loads(out.read_text())["hardware"]["name"] == "profiled-cached"
 
 
 def test_merge_and_report_stages_load_no_torch(sharded, tiny_mixtral_dir):
