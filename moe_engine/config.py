@@ -258,6 +258,7 @@ def compose(overrides: str | list[str] | None = None, config_dir: Path | str | N
     assert isinstance(app, AppConfig)
     validate(app)
     check_model_files(app)
+    check_kv_budget(app)
     return app
 
 
@@ -279,6 +280,33 @@ def check_model_files(cfg: AppConfig) -> None:
                "only and never unpickles: convert the checkpoint to safetensors"
                if pickles else "the directory has no *.safetensors weights")
         _check(False, "model.path", m.path, why)
+
+
+def check_kv_budget(cfg: AppConfig) -> None:
+    """With engine.policy=config the configured KV budget is what generate allocates: it must
+    hold at least one block of engine.block_size tokens, or every shard would fail after shard
+    and policy ran. (With policy=search the search sizes the cache itself.) Torch-free: the
+    spec comes from config.json or, for a built-in not built yet, from its preset."""
+    e = cfg.engine
+    if e.policy is not PolicySource.config:
+        return
+    from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError
+
+    m = cfg.model
+    if m.builtin is not None:
+        from moe_engine.tools.presets import PRESETS, hf_config
+
+        source: Any = hf_config(PRESETS[m.builtin])
+    else:
+        source = Path(m.path)
+    try:
+        spec = ModelSpec.from_hf_config(source, dtype=None if m.dtype is DType.auto else m.dtype.value)
+    except (UnsupportedModelError, KeyError, ValueError):
+        return  # an unsupported checkpoint is refused at load, naming what it lacks
+    block_gb = spec.kv_bytes_per_token * e.block_size / GB
+    _check(e.kv_cache_gb >= block_gb, "engine.kv_cache_gb", e.kv_cache_gb,
+           f"below one KV block of {e.block_size} tokens for {m.name} "
+           f"({spec.kv_bytes_per_token} bytes/token): the minimum is {block_gb:.6g} GB")
 
 
 def _describe(exc: BaseException) -> str:

@@ -121,3 +121,14 @@ def test_unchanged_config_keeps_file_mtime(tmp_path):
     assert path.stat().st_mtime_ns == before
     save_resolved_if_changed(compose("workload.max_new_tokens=9"), path)
     assert "max_new_tokens: 9" in path.read_text()
+
+
+def test_kv_budget_below_one_block_fails_when_composed(tiny_mixtral_dir):
+    # tiny-mixtral: 2 layers x 2 KV heads x (32 + 32) x 4 bytes = 1024 bytes/token, 16 KiB a block.
+    with pytest.raises(ConfigError, match=r"engine.kv_cache_gb=1e-06: below one KV block .* minimum is 1.6384e-05 GB"):
+        compose("engine.policy=config engine.kv_cache_gb=0.000001")
+    with pytest.raises(ConfigError, match=r"engine.kv_cache_gb"):
+        compose(f"model=hf model.path={tiny_mixtral_dir} engine.policy=config engine.kv_cache_gb=0.000001")
+    assert compose("engine.policy=config engine.kv_cache_gb=0.00002").engine.kv_cache_gb == 0.00002
+    # With the search, the policy sizes the cache; the configured figure is not used.
+    assert compose("engine.policy=search engine.kv_cache_gb=0.000001").engine.kv_cache_gb == 0.000001
