@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moe_engine.model import paged_attention as kernels
-from moe_engine.model.paged_attention import (paged_decode_attention, paged_decode_attention_reference,
-                                write_kv)
+from moe_engine.model.attention import DecodeAttention, torch_paged_decode_attention
+from moe_engine.model.paged_attention import paged_decode_attention, write_kv
 
 BLOCK = 16
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -138,19 +138,26 @@ def test_query_in_cache_dtype_returns_that_dtype(dtype):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
 
 
-def test_head_dim_off_the_vector_width_uses_the_torch_path():
+def test_head_dim_off_the_vector_width_dispatches_to_the_torch_path_and_says_so():
     query, kc, vc, tables, lens = make_inputs([1, 17, 90], n_kv=2, group=2, d=24,
                                               dtype=torch.bfloat16)
-    out = run_poisoned(query, kc, vc, tables, lens, 0.2)
+    with pytest.raises(RuntimeError, match="head_dim 24"):  # the kernel never falls back itself
+        paged_decode_attention(query, kc, vc, tables, lens, 0.2)
+    with pytest.raises(RuntimeError, match="head_dim 24"):
+        DecodeAttention("cython", head_dim=24)
+    attention = DecodeAttention("auto", head_dim=24)
+    assert attention.name == "torch" and "head_dim 24" in attention.describe()
+    assert DecodeAttention("auto", head_dim=64).describe() == "cython"
+    out = attention(query, kc, vc, tables, lens, 0.2)
     torch.testing.assert_close(out.double(), fp64_attention(query, kc, vc, tables, lens, 0.2),
                                rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_torch_reference_fallback_matches_fp64(dtype):
+def test_torch_reference_matches_fp64(dtype):
     query, kc, vc, tables, lens = make_inputs([0, 1, 16, 17, 500], n_kv=2, group=4, d=64,
                                               dtype=dtype, seed=11)
-    out = paged_decode_attention_reference(query, kc, vc, tables, lens, 0.125)
+    out = torch_paged_decode_attention(query, kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(out.double(), fp64_attention(query, kc, vc, tables, lens, 0.125),
                                rtol=1e-4, atol=2e-5)
 

@@ -1,8 +1,11 @@
 """Attention for packed tokens: causal prefill per sequence, decode over the paged KV cache.
 
-Decode uses the Cython kernel of `moe_engine.model.paged_attention` when available (engine.attention =
-auto|cython) and the torch path below otherwise (engine.attention = torch); both share the cache
-layout [num_blocks, n_kv, block_size, d] and the slot convention block * block_size + offset.
+`DecodeAttention` is the one place that chooses the decode path: the Cython kernel of
+`moe_engine.model.paged_attention` (engine.attention = auto|cython, on the CPU, when it is built
+and supports the head_dim) or the torch reference below (engine.attention = torch, any device,
+and the fallback of auto). Its `name` and `describe()` say which runs. Both paths share the
+cache layout [num_blocks, n_kv, block_size, d] and the slot convention
+block * block_size + offset (negative slots are padding and skipped).
 """
 from __future__ import annotations
 
@@ -36,12 +39,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def torch_write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter key/value [T, nkv, d] into the paged cache at slot_mapping [T] (int64)."""
+    """Scatter key/value [T, nkv, d] into the paged cache at slot_mapping [T] (int64),
+    converted to the cache dtype; negative slots (padding) are skipped."""
     bs = key_cache.shape[2]
-    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
-    offsets = slot_mapping - blocks * bs
-    key_cache[blocks, :, offsets, :] = key
-    value_cache[blocks, :, offsets, :] = value
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks = torch.div(slots, bs, rounding_mode="floor")
+    offsets = slots - blocks * bs
+    key_cache[blocks, :, offsets, :] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, :, offsets, :] = value[keep].to(value_cache.dtype)
 
 
 def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
@@ -49,50 +55,77 @@ def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float, *,
                                  out: Optional[torch.Tensor] = None,
                                  num_threads: int = 0) -> torch.Tensor:
-    """One query token per sequence against its cached context; query [N, nq, d].
+    """One query token per sequence against its cached context: the torch reference of the
+    Cython kernel, with the same contract (num_threads is ignored), on any device.
 
-    The GQA group is folded into the query length ([N, nkv, group, d] against [N, nkv, L, d]) so
-    K/V are gathered once per KV head, not repeated per query head. Sequences are padded only to
-    the longest context of the call and masked.
+    query [N, nq, d] in fp32 or the cache dtype (the result has the query dtype); softmax and
+    accumulation in fp32, like the kernel. The GQA group is folded into the query length
+    ([N, nkv, group, d] against [N, nkv, L, d]) so K/V are gathered once per KV head, not
+    repeated per query head. Sequences are padded to the longest context of the call and
+    masked; a sequence with no context gets zeros.
     """
     n, nq, d = query.shape
     nkv, bs = key_cache.shape[1], key_cache.shape[2]
-    max_len = int(context_lens.max())
-    nblk = (max_len + bs - 1) // bs
-    tables = block_tables[:, :nblk].long()
-    k = key_cache[tables].permute(0, 2, 1, 3, 4).reshape(n, nkv, nblk * bs, d)
-    v = value_cache[tables].permute(0, 2, 1, 3, 4).reshape(n, nkv, nblk * bs, d)
-    q = query.reshape(n, nkv, nq // nkv, d)
-    pos = torch.arange(nblk * bs)
-    mask = (pos[None, :] < context_lens[:, None].long()).reshape(n, 1, 1, nblk * bs)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    o = o.reshape(n, nq, d)
-    if out is not None:
-        out.copy_(o)
-        return out
-    return o
+    ctx = context_lens.long()
+    nblk = -(-int(ctx.max()) // bs) if n else 0
+    result = torch.zeros(n, nq, d, dtype=torch.float32, device=query.device)
+    if nblk:
+        pos = torch.arange(nblk * bs, device=query.device)
+        # Table entries past a sequence's last block may hold anything: read block 0 instead.
+        used = pos[::bs][None, :] < ctx[:, None]
+        tables = torch.where(used, block_tables[:, :nblk].long(), 0)
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [N, nkv, nblk * bs, d] fp32
+            return cache[tables].float().permute(0, 2, 1, 3, 4).reshape(n, nkv, nblk * bs, d)
+
+        q = query.float().reshape(n, nkv, nq // nkv, d)
+        mask = (pos[None, :] < ctx[:, None]).reshape(n, 1, 1, nblk * bs)
+        o = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache),
+                                           attn_mask=mask, scale=scale)
+        # A fully masked row (no context) is NaN or garbage depending on the SDPA backend.
+        result = torch.where((ctx > 0)[:, None, None], o.reshape(n, nq, d), 0.0)
+    if out is None:
+        return result.to(query.dtype)
+    out.copy_(result)
+    return out
 
 
 class DecodeAttention:
-    """The decode-attention implementation chosen from engine.attention ('auto'|'cython'|'torch')."""
+    """The decode-attention path chosen from engine.attention ('auto'|'cython'|'torch').
 
-    def __init__(self, impl: str = "auto", num_threads: int = 0):
+    'auto' takes the Cython kernel when it can run the model (built, head_dim supported) and
+    the torch reference otherwise; 'cython' fails instead of falling back. `name` is the path
+    that runs, `describe()` adds why the fallback was taken.
+    """
+
+    def __init__(self, impl: str = "auto", num_threads: int = 0,
+                 head_dim: Optional[int] = None):
         impl = getattr(impl, "value", impl)
+        if impl not in ("auto", "cython", "torch"):
+            raise ValueError(f"unknown attention implementation {impl!r}")
         self.num_threads = num_threads
         self.write_kv: Callable = torch_write_kv
         self.decode: Callable = torch_paged_decode_attention
         self.name = "torch"
-        if impl in ("auto", "cython"):
-            kernels = _load_kernels()
-            if kernels is not None and getattr(kernels, "HAS_CYTHON_KERNELS", False):
-                self.write_kv = kernels.write_kv
-                self.decode = kernels.paged_decode_attention
-                self.name = "cython"
-            elif impl == "cython":
-                raise RuntimeError("engine.attention=cython but the Cython kernels are not built "
-                                   "(moe_engine.model.paged_attention.HAS_CYTHON_KERNELS is false)")
-        elif impl != "torch":
-            raise ValueError(f"unknown attention implementation {impl!r}")
+        self.fallback_reason: Optional[str] = None
+        if impl == "torch":
+            return
+        kernels = _load_kernels()
+        reason = ("the Cython kernels are not built" if kernels is None
+                  else kernels.kernel_unavailable(head_dim))
+        if reason is None:
+            self.write_kv = kernels.write_kv
+            self.decode = kernels.paged_decode_attention
+            self.name = "cython"
+        elif impl == "cython":
+            raise RuntimeError(f"engine.attention=cython but {reason}")
+        else:
+            self.fallback_reason = reason
+
+    def describe(self) -> str:
+        """The path that runs, e.g. 'cython' or 'torch (the Cython kernels are not built)'."""
+        return self.name if self.fallback_reason is None else (
+            f"{self.name} ({self.fallback_reason})")
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -9,16 +9,20 @@ head_dim], fp32, bf16 or fp16. Each (block, KV head) is one contiguous run of
 block_size*head_dim elements, so the task for (sequence, KV head) streams contiguous runs and
 reads every KV byte once for all query heads of its GQA group.
 
-When the extension is not built (HAS_CYTHON_KERNELS is False), or head_dim is not a multiple of
-16 (the kernel's vector width), the functions fall back to plain torch.
+This module is the kernel only: it does not choose a fallback. When the extension is not built
+(HAS_CYTHON_KERNELS is False) or head_dim is not a multiple of its vector width
+(`kernel_unavailable` says why), its functions refuse to run; the engine's decode path is chosen
+once, in `moe_engine.model.attention.DecodeAttention`, which then takes the torch reference.
 """
 from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 try:
     from moe_engine._kernels import paged_attention as _ext
-except ImportError:  # not built: torch fallback below
+except ImportError:  # not built: DecodeAttention takes the torch reference
     _ext = None
 
 HAS_CYTHON_KERNELS: bool = _ext is not None
@@ -29,6 +33,22 @@ _DTYPE_CODES = (
     {torch.float32: _ext.DTYPE_F32, torch.bfloat16: _ext.DTYPE_BF16, torch.float16: _ext.DTYPE_F16}
     if _ext is not None else {}
 )
+
+
+def kernel_unavailable(head_dim: Optional[int] = None) -> Optional[str]:
+    """Why the kernel cannot run a model with this head_dim, or None when it can."""
+    if _ext is None:
+        return "the Cython kernels are not built (python setup.py build_ext --inplace)"
+    if head_dim is not None and head_dim % _ext.HEAD_DIM_MULTIPLE != 0:
+        return f"head_dim {head_dim} is not a multiple of {_ext.HEAD_DIM_MULTIPLE}"
+    return None
+
+
+def _require_kernel(head_dim: Optional[int] = None) -> None:
+    reason = kernel_unavailable(head_dim)
+    if reason is not None:
+        raise RuntimeError(f"the paged-attention kernel cannot run: {reason}; "
+                           "DecodeAttention falls back to the torch reference")
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -92,9 +112,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out)
     num_seqs, n_q, d = query.shape
-    if _ext is None or d % _ext.HEAD_DIM_MULTIPLE != 0:
-        return paged_decode_attention_reference(query, key_cache, value_cache, block_tables,
-                                                context_lens, scale, out=out)
+    _require_kernel(d)
     num_blocks, n_kv, block_size, _ = key_cache.shape
     q32 = query if query.dtype == torch.float32 else query.float()
     if out is not None and out.dtype == torch.float32:
@@ -113,47 +131,6 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if out is None:
         return res.to(query.dtype)
     out.copy_(res)
-    return out
-
-
-def paged_decode_attention_reference(query: torch.Tensor, key_cache: torch.Tensor,
-                                     value_cache: torch.Tensor, block_tables: torch.Tensor,
-                                     context_lens: torch.Tensor, scale: float, *,
-                                     out: torch.Tensor | None = None,
-                                     num_threads: int = 0) -> torch.Tensor:
-    """paged_decode_attention in plain torch (same contract; num_threads is ignored).
-
-    Gathers each sequence's blocks into a padded [num_seqs, n_kv, max_ctx, head_dim] fp32 tensor
-    and folds the GQA group into the query length (no repeat of K/V). Memory grows with the
-    longest context; meant as the fallback and as a test oracle, not for speed.
-    """
-    _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out)
-    num_seqs, n_q, d = query.shape
-    _, n_kv, block_size, _ = key_cache.shape
-    ctx = context_lens.long()
-    max_ctx = int(ctx.max()) if num_seqs else 0
-    nb = -(-max_ctx // block_size)
-    result = torch.zeros((num_seqs, n_q, d), dtype=torch.float32)
-    if nb > 0:
-        _require(block_tables.shape[1] >= nb, f"block_tables has {block_tables.shape[1]} columns, "
-                                              f"context needs {nb}")
-        used = torch.arange(nb) * block_size < ctx[:, None]
-        tables = torch.where(used, block_tables[:, :nb].long(), 0)
-        _require(bool(((tables >= 0) & (tables < key_cache.shape[0])).all()),
-                 "block_tables holds a block id outside the cache")
-
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, n_kv, nb*block_size, d]
-            return cache[tables].float().permute(0, 2, 1, 3, 4).reshape(num_seqs, n_kv, -1, d)
-
-        q = query.float().view(num_seqs, n_kv, n_q // n_kv, d) * scale
-        scores = q @ gather(key_cache).transpose(-1, -2)
-        pad = torch.arange(nb * block_size) >= ctx[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with ctx == 0 are all -inf
-        result = (probs @ gather(value_cache)).view(num_seqs, n_q, d)
-    if out is None:
-        return result.to(query.dtype)
-    out.copy_(result)
     return out
 
 
@@ -176,17 +153,9 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
              f"{tuple(slot_mapping.shape)}")
     _require(slot_mapping.device.type == "cpu" and slot_mapping.is_contiguous(),
              "slot_mapping must be a contiguous CPU tensor")
+    _require_kernel()
     k = key.to(key_cache.dtype).contiguous()
     v = value.to(value_cache.dtype).contiguous()
-    if _ext is not None:
-        _ext.write_kv(key_cache.data_ptr(), value_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
-                      slot_mapping.data_ptr(), k.shape[0], n_kv, d, num_blocks, block_size,
-                      k.element_size())
-        return
-    _require(bool((slot_mapping < num_blocks * block_size).all()), "slot_mapping holds a slot "
-                                                                   "outside the cache")
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets, :] = k[keep]
-    value_cache[blocks, :, offsets, :] = v[keep]
+    _ext.write_kv(key_cache.data_ptr(), value_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                  slot_mapping.data_ptr(), k.shape[0], n_kv, d, num_blocks, block_size,
+                  k.element_size())
