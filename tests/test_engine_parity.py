@@ -16,7 +16,7 @@ from moe_engine.config import EngineConfig
 from moe_engine.engine.llm_engine import LLMEngine
 from moe_engine.model.kv_cache import kv_bytes_per_token
 from moe_engine.model.loader import load_weights
-from moe_engine.model.spec import load_spec
+from moe_engine.model.spec import GB, load_spec
 from moe_engine.engine.request import Request, SamplingParams
 
 NEW_TOKENS = 12
@@ -128,7 +128,7 @@ def test_same_tokens_when_kv_budget_forces_preemption(model_dir, hf_reference):
     block_size = 4
     longest = max(len(ids) for ids, _, _ in hf_reference.values()) + NEW_TOKENS
     num_blocks = (longest + block_size - 1) // block_size + 6  # room for ~2 sequences
-    budget = num_blocks * block_size * kv_bytes_per_token(spec, torch.float32) / 2**30
+    budget = num_blocks * block_size * kv_bytes_per_token(spec, torch.float32) / GB
     small = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=budget,
                                               block_size=block_size), dtype="float32")
     assert small.allocator.num_blocks == num_blocks
