@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moe_engine.config import EngineConfig  # noqa: E402
 from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from moe_engine.offload.build import OffloadSettings, build_offload_pipeline  # noqa: E402
+from moe_engine.offload.routing import find_profile  # noqa: E402
 from moe_engine.engine.request import Request, SamplingParams  # noqa: E402
 from moe_engine.offload.trace import Span, Trace  # noqa: E402
 
@@ -53,7 +54,7 @@ def requests(n: int, new_tokens: int) -> list[Request]:
 
 def run(path: Path, config: EngineConfig, settings: OffloadSettings, reqs, trace=None) -> dict:
     engine = LLMEngine(path, config)
-    pipe = build_offload_pipeline(engine.runner, settings, model_dir=path, trace=trace)
+    pipe = build_offload_pipeline(engine.runner, settings, routing=find_profile(path), trace=trace)
     engine.runner = pipe
     if trace is not None:
         trace.clear()

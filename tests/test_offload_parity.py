@@ -13,7 +13,8 @@ from moe_engine.tools.presets import PRESETS
 from moe_engine.config import EngineConfig
 from moe_engine.engine.llm_engine import LLMEngine
 from moe_engine.model.spec import load_spec
-from moe_engine.offload.build import OffloadSettings, build_offload_pipeline, calibrate_routing
+from moe_engine.engine.calibrate import calibrate_routing
+from moe_engine.offload.build import OffloadSettings, build_offload_pipeline
 from moe_engine.engine.request import Request, SamplingParams
 from moe_engine.offload.routing import PROFILE_NAME, RoutingProfile, find_profile
 
@@ -52,7 +53,8 @@ def reference(model_dir):
 
 def _offloaded(model_dir, settings: OffloadSettings, **kwargs):
     engine = LLMEngine(model_dir, CONFIG, dtype="float32")
-    engine.runner = build_offload_pipeline(engine.runner, settings, model_dir=model_dir, **kwargs)
+    engine.runner = build_offload_pipeline(engine.runner, settings, routing=find_profile(model_dir),
+                                           **kwargs)
     return engine
 
 

@@ -6,7 +6,6 @@ sequences immediately so their KV blocks serve the next admissions.
 """
 from __future__ import annotations
 
-import logging
 import os
 import random
 import time
@@ -15,26 +14,24 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from moe_engine.model.attention import DecodeAttention
 from moe_engine.config import EngineConfig
 from moe_engine.engine.block_manager import BlockAllocator
-from moe_engine.model.kv_cache import KVCache, blocks_for_budget
-from moe_engine.model.loader import load_weights, resolve_dtype
+from moe_engine.engine.calibrate import routing_profile
 from moe_engine.engine.model_runner import ModelRunner
-from moe_engine.model.spec import load_spec
-from moe_engine.offload.build import (OffloadSettings, build_offload_pipeline, calibration_requests,
-                                offload_settings, record_routing)
-from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
 from moe_engine.engine.request import Request, RequestResult
-from moe_engine.offload.routing import find_profile, profile_path
 from moe_engine.engine.sampling import sample
 from moe_engine.engine.scheduler import ScheduledStep, Scheduler
 from moe_engine.engine.sequence import Sequence
 from moe_engine.engine.stats import EngineStats
 from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
 from moe_engine.engine.tokenizer import load_tokenizer
+from moe_engine.model.attention import DecodeAttention
+from moe_engine.model.kv_cache import KVCache, blocks_for_budget
+from moe_engine.model.loader import load_weights, resolve_dtype
+from moe_engine.model.spec import load_spec
+from moe_engine.offload.build import build_offload_pipeline, offload_settings
+from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
 
-log = logging.getLogger(__name__)
 
 LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
 
@@ -43,8 +40,10 @@ class LLMEngine:
     """Offline batch generation for a HF MoE checkpoint.
 
     A fully resident CPU run uses the plain runner; otherwise (CUDA, r_w < 1, an emulated link,
-    or engine.offload_pipeline) steps go through the offload pipeline. Call `close` (or use the
-    engine as a context manager) to stop its worker threads; a closed engine serves no more.
+    or engine.offload_pipeline) construction goes on in two more steps: the routing profile is
+    found or calibrated on the plain runner (engine/calibrate.py), then the offload pipeline is
+    built around that runner and serves the steps. Call `close` (or use the engine as a context
+    manager) to stop its worker threads; a closed engine serves no more.
     """
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
@@ -63,7 +62,8 @@ class LLMEngine:
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, self.dtype)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.runner = ModelRunner(self.spec, weights, cache,
-                                  DecodeAttention(config.attention, self.threads),
+                                  DecodeAttention(config.attention, self.threads,
+                                                  head_dim=self.spec.head_dim),
                                   self.max_model_len, self.dtype)
         self.offload: Optional[OffloadPipeline] = None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) or frozenset(
@@ -74,26 +74,9 @@ class LLMEngine:
         self._rng = random.Random()
         settings = offload_settings(config)
         if settings is not None:
-            self._start_offload(model_dir, settings)
-
-    def _start_offload(self, model_dir: str | os.PathLike, settings: OffloadSettings) -> None:
-        """Put the weights behind a pager and run steps through the offload pipeline. Which
-        experts stay resident follows the model's routing profile; with r_w < 1 and none saved
-        yet, one is recorded first on the bundled prompts (fully resident, on the CPU)."""
-        routing = find_profile(model_dir)
-        if routing is None and settings.resident_ratio < 1.0:
-            requests = calibration_requests()
-            if requests:
-                log.info("no routing profile for %s: recording one on %d bundled prompts",
-                         model_dir, len(requests))
-                routing = record_routing(self, requests)
-                try:
-                    routing.save(profile_path(model_dir))
-                except OSError as exc:  # a read-only model dir must not stop the run
-                    log.warning("could not save the routing profile: %s", exc)
-        self.offload = build_offload_pipeline(self.runner, settings, model_dir=model_dir,
-                                              routing=routing)
-        self.runner = self.offload
+            routing = routing_profile(self, model_dir, settings.resident_ratio)
+            self.offload = build_offload_pipeline(self.runner, settings, routing=routing)
+            self.runner = self.offload
 
     def close(self) -> None:
         """Stop the offload pipeline's worker threads (a no-op for the plain runner)."""
@@ -110,7 +93,13 @@ class LLMEngine:
 
     @property
     def attention_impl(self) -> str:
+        """The decode-attention path that runs ('cython' or 'torch'); see attention_path."""
         return self.runner.attention.name
+
+    @property
+    def attention_path(self) -> str:
+        """What runs decode attention, and why when it is the fallback (for stats/benchmarks)."""
+        return self.runner.attention.describe()
 
     def generate(self, requests: Iterable[Request]) -> Iterator[RequestResult]:
         """Run all requests; yield each result as it completes (rejected ones at once)."""

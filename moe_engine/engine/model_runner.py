@@ -1,15 +1,16 @@
 """One model step over a step's micro-batches: embeddings, decoder layers, LM head.
 
-Each layer runs per micro-batch in three parts that a pipelined backend (issue 5, CGOPipe) will
-interleave across micro-batches: pre-attention (norm + QKV + RoPE), attention (prefill SDPA /
-paged decode) and post-attention (O projection + FFN: experts grouped by expert, plus what
-the dense weights hold, a shared expert or a dense layer's whole MLP).
+Each layer runs per micro-batch in public parts that the offload pipeline (offload/pipeline.py,
+CGOPipe) interleaves across micro-batches and devices: `pre_attention` (norm + QKV + RoPE),
+`attend` (prefill SDPA / paged decode), `post_attention` (O projection, post norm, router) and
+`ffn` (routed experts grouped by expert, plus what the dense weights hold: a shared expert or a
+dense layer's whole MLP); `lm_head` ends the step. `forward` runs them in plain order.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,10 @@ from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, 
                                      qkv_projection, rms_norm, route)
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ModelWeights
+
+# Called with (layer, experts [T, top_k]) each time a MoE layer routes: calibration records
+# the routing profile through it.
+RoutingObserver = Callable[[int, torch.Tensor], None]
 
 
 @dataclass
@@ -51,12 +56,24 @@ class PhaseTimes:
 
 
 @dataclass
-class _Activation:
+class Activation:
+    """One micro-batch's hidden state between the parts of a layer (q/k/v and attn are only
+    set between pre_attention, attend and post_attention)."""
+
     x: torch.Tensor
     q: Optional[torch.Tensor] = None
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
     attn: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Routed:
+    """A micro-batch after post_attention: FFN input h and its routing (None in a dense layer)."""
+
+    h: torch.Tensor
+    weights: Optional[torch.Tensor] = None
+    experts: Optional[torch.Tensor] = None
 
 
 class ModelRunner:
@@ -72,24 +89,23 @@ class ModelRunner:
         self.rope = RotaryTable(spec, max_positions, dtype)
         self.scale = spec.head_dim ** -0.5
         self.times = PhaseTimes()
+        self.routing_observer: Optional[RoutingObserver] = None
 
     @torch.inference_mode()
     def forward(self, batches: list[MicroBatchInput]) -> torch.Tensor:
         """Logits [num_seqs, vocab] (fp32) for the last token of every sequence, batch order."""
-        acts = [_Activation(self.weights.embed[mb.input_ids]) for mb in batches]
+        acts = [self.embed(mb) for mb in batches]
         for layer in range(self.spec.num_layers):
             for mb, act in zip(batches, acts):
                 self.pre_attention(layer, mb, act)
                 self.attend(layer, mb, act)
-                self.post_attention(layer, mb, act)
-        t0 = time.perf_counter()
-        last = torch.cat([act.x[mb.logits_indices] for mb, act in zip(batches, acts)])
-        h = rms_norm(last, self.weights.final_norm, self.spec.rms_norm_eps)
-        logits = F.linear(h, self.weights.lm_head).float()
-        self.times.head_s += time.perf_counter() - t0
-        return logits
+                self.ffn(layer, [act], [self.post_attention(layer, act)])
+        return self.lm_head(batches, acts)
 
-    def pre_attention(self, layer: int, mb: MicroBatchInput, act: _Activation) -> None:
+    def embed(self, mb: MicroBatchInput) -> Activation:
+        return Activation(self.weights.embed[mb.input_ids])
+
+    def pre_attention(self, layer: int, mb: MicroBatchInput, act: Activation) -> None:
         """Input norm, fused QKV projection, RoPE."""
         t0 = time.perf_counter()
         dense = self.weights.layers[layer].dense
@@ -97,7 +113,7 @@ class ModelRunner:
         act.q, act.k, act.v = qkv_projection(dense, h, self.spec, self.rope, mb.positions)
         self.times.dense_s += time.perf_counter() - t0
 
-    def attend(self, layer: int, mb: MicroBatchInput, act: _Activation) -> None:
+    def attend(self, layer: int, mb: MicroBatchInput, act: Activation) -> None:
         """Store the new K/V, then prefill attention on the fresh K/V and decode on the cache."""
         t0 = time.perf_counter()
         kc, vc = self.cache.key[layer], self.cache.value[layer]
@@ -114,17 +130,67 @@ class ModelRunner:
         act.q = act.k = act.v = None
         self.times.attention_s += time.perf_counter() - t0
 
-    def post_attention(self, layer: int, mb: MicroBatchInput, act: _Activation) -> None:
-        """O projection + residual, post norm, FFN (routed experts and/or dense part) + residual."""
+    def post_attention(self, layer: int, act: Activation) -> Routed:
+        """O projection + residual, post norm and (in a MoE layer) the router."""
         t0 = time.perf_counter()
-        lw = self.weights.layers[layer]
-        x = act.x + attention_output(lw.dense, act.attn)
+        dense = self.weights.layers[layer].dense
+        act.x = act.x + attention_output(dense, act.attn)
         act.attn = None
-        h = rms_norm(x, lw.dense.post_norm, self.spec.rms_norm_eps)
-        moe = self.spec.is_moe_layer(layer)
-        routing = route(lw.dense.router, h, self.spec) if moe else None
-        t1 = time.perf_counter()
-        self.times.dense_s += t1 - t0
-        routed = moe_ffn(lw.experts, h, *routing) if moe else None
-        act.x = x + ffn_output(lw.dense, h, routed)
-        self.times.ffn_s += time.perf_counter() - t1
+        h = rms_norm(act.x, dense.post_norm, self.spec.rms_norm_eps)
+        routed = Routed(h)
+        if self.spec.is_moe_layer(layer):
+            routed.weights, routed.experts = route(dense.router, h, self.spec)
+            if self.routing_observer is not None:
+                self.routing_observer(layer, routed.experts)
+        self.times.dense_s += time.perf_counter() - t0
+        return routed
+
+    def ffn(self, layer: int, acts: list[Activation], routed: list[Routed],
+            experts_out: Optional[torch.Tensor] = None) -> None:
+        """x += FFN(h) for the given micro-batches, run as one batch of their rows.
+
+        The routed experts' weighted sum is computed here from this runner's expert weights
+        unless `experts_out` brings it (the offload pipeline computes it expert by expert,
+        wherever each one's weights are); the dense weights' part is added here either way.
+        """
+        t0 = time.perf_counter()
+        h = routed[0].h if len(routed) == 1 else torch.cat([r.h for r in routed])
+        if experts_out is None and self.spec.is_moe_layer(layer):
+            weights = torch.cat([r.weights for r in routed])
+            experts = torch.cat([r.experts for r in routed])
+            experts_out = moe_ffn(self.weights.layers[layer].experts, h, weights, experts)
+        out = ffn_output(self.weights.layers[layer].dense, h, experts_out)
+        start = 0
+        for act in acts:
+            end = start + act.x.shape[0]
+            act.x = act.x + out[start:end]
+            start = end
+        self.times.ffn_s += time.perf_counter() - t0
+
+    def lm_head(self, batches: list[MicroBatchInput], acts: list[Activation]) -> torch.Tensor:
+        """Final norm and LM head on each sequence's last token: fp32 logits [num_seqs, vocab],
+        where the weights are."""
+        t0 = time.perf_counter()
+        last = torch.cat([act.x[mb.logits_indices] for mb, act in zip(batches, acts)])
+        h = rms_norm(last, self.weights.final_norm, self.spec.rms_norm_eps)
+        logits = F.linear(h, self.weights.lm_head).float()
+        self.times.head_s += time.perf_counter() - t0
+        return logits
+
+    def state_nbytes(self, kv_cache: bool) -> int:
+        """Bytes of the RoPE tables, plus the KV cache when `kv_cache` (what `place` moves)."""
+        nbytes = self.rope.cos.nbytes + self.rope.sin.nbytes
+        if kv_cache:
+            nbytes += sum(t.nbytes for t in self.cache.key + self.cache.value)
+        return nbytes
+
+    def place(self, move: Callable[[torch.Tensor], torch.Tensor], kv_cache: bool) -> None:
+        """Put the RoPE tables, and the KV cache when `kv_cache`, where `move` puts a tensor
+        (a backend's to_device; the weights move with the pager)."""
+        rope = self.rope
+        rope.cos, rope.sin = move(rope.cos), move(rope.sin)
+        if kv_cache:
+            cache = self.cache
+            self.cache = KVCache(key=[move(t) for t in cache.key],
+                                 value=[move(t) for t in cache.value],
+                                 block_size=cache.block_size)

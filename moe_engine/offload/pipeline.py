@@ -17,7 +17,9 @@ With `group_ffn="micro_batch"` the FFN instead runs per micro-batch right after 
 of j+1 meanwhile), still expert by expert and hot first.
 
 The device is the calling thread; CPU attention and CPU experts run on one worker thread; the
-link is the backend's copy worker. The math is the runner's and layers.py's, imported.
+link is the backend's copy worker. Every part of the math is a public step of the ModelRunner
+(embed, pre_attention, attend, post_attention, ffn, lm_head); this module only decides where and
+in which order they run, and computes the routed experts one at a time where their weights are.
 """
 from __future__ import annotations
 
@@ -27,14 +29,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from moe_engine.offload.placement import ExpertPlacer, Place
-from moe_engine.model.layers import attention_output, ffn_output, moe_ffn, rms_norm, route
-from moe_engine.engine.model_runner import MicroBatchInput, ModelRunner, _Activation
+from moe_engine.engine.model_runner import Activation, MicroBatchInput, ModelRunner, Routed
+from moe_engine.model.layers import moe_ffn
 from moe_engine.model.weights import ExpertWeights
 from moe_engine.offload.pager import WeightPager
-from moe_engine.offload.routing import RoutingRecorder
+from moe_engine.offload.placement import ExpertPlacer, Place
 from moe_engine.offload.trace import Trace
 
 DEVICE_LANE, CPU_LANE, WAIT_LANE = "device", "cpu", "wait"
@@ -68,22 +68,12 @@ class OffloadStats:
         return asdict(self)
 
 
-@dataclass
-class _Routed:
-    """A micro-batch after its dense post-attention part: FFN input and routing (None in a
-    dense layer)."""
-
-    h: torch.Tensor
-    weights: Optional[torch.Tensor] = None
-    experts: Optional[torch.Tensor] = None
-
-
 class OffloadPipeline:
     """Drop-in for ModelRunner.forward that pages experts through a WeightPager."""
 
     def __init__(self, runner: ModelRunner, pager: WeightPager, placer: ExpertPlacer,
                  attention_on_device: bool = False, group_ffn: str = "layer",
-                 trace: Optional[Trace] = None, recorder: Optional[RoutingRecorder] = None):
+                 trace: Optional[Trace] = None):
         if group_ffn not in ("layer", "micro_batch"):
             raise ValueError(f"group_ffn must be 'layer' or 'micro_batch', got {group_ffn!r}")
         self.runner = runner
@@ -93,7 +83,6 @@ class OffloadPipeline:
         self.attention_on_device = attention_on_device
         self.group_ffn = group_ffn
         self.trace = trace or Trace(enabled=False)
-        self.recorder = recorder
         self.spec = runner.spec
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-worker")
         self.totals = OffloadStats()
@@ -152,17 +141,18 @@ class OffloadPipeline:
         with self._device("embed"):
             batches = [self._on_device(mb) for mb in batches]
             for mb in batches:
-                acts.append(_Activation(self.runner.weights.embed[mb.input_ids]))
+                acts.append(self.runner.embed(mb))
         pending = [self._pre_attention(0, j, mb, act) for j, (mb, act) in
                    enumerate(zip(batches, acts))]
         for i in range(num_layers):
             nxt = (i + 1) % num_layers  # the last layer prefetches layer 0 of the next step
             if nxt != i:
                 self._prefetch(nxt, num_tokens)
-            routed: list[Optional[_Routed]] = [None] * len(batches)
+            routed: list[Optional[Routed]] = [None] * len(batches)
             for j, (mb, act) in enumerate(zip(batches, acts)):
                 self._await_attention(pending[j], act)
-                routed[j] = self._post_attention_dense(i, j, act)
+                with self._device(f"post L{i} mb{j}"):
+                    routed[j] = self.runner.post_attention(i, act)
                 if self.group_ffn == "micro_batch":
                     self._ffn(i, [act], [routed[j]])
                     if i + 1 < num_layers:
@@ -201,7 +191,7 @@ class OffloadPipeline:
         if hot:
             self.pager.prefetch(layer, hot)
 
-    def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: _Activation) -> Future:
+    def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: Activation) -> Future:
         """Device norm + QKV of micro-batch j; its attention starts at once where it runs."""
         with self._device(f"pre L{layer} mb{j}"):
             self.runner.pre_attention(layer, mb, act)
@@ -219,7 +209,7 @@ class OffloadPipeline:
         self._inflight.append(job)
         return job
 
-    def _cpu_attention(self, layer: int, j: int, mb: MicroBatchInput, act: _Activation) -> None:
+    def _cpu_attention(self, layer: int, j: int, mb: MicroBatchInput, act: Activation) -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():  # inference mode is per thread
             self.runner.attend(layer, mb, act)
@@ -227,7 +217,7 @@ class OffloadPipeline:
         self._step.cpu_attention_time_s += t1 - t0
         self.trace.add(CPU_LANE, f"attn L{layer} mb{j}", t0, t1)
 
-    def _await_attention(self, pending: Future, act: _Activation) -> None:
+    def _await_attention(self, pending: Future, act: Activation) -> None:
         t0 = time.perf_counter()
         pending.result()
         t1 = time.perf_counter()
@@ -235,38 +225,18 @@ class OffloadPipeline:
         if not self.attention_on_device:
             act.attn = self.backend.activation_to_device(act.attn)
 
-    def _post_attention_dense(self, layer: int, j: int, act: _Activation) -> _Routed:
-        """O projection + residual, post norm, router (the runner's post-attention minus FFN)."""
-        with self._device(f"post L{layer} mb{j}", "dense_s"):
-            dense = self.runner.weights.layers[layer].dense
-            act.x = act.x + attention_output(dense, act.attn)
-            act.attn = None
-            h = rms_norm(act.x, dense.post_norm, self.spec.rms_norm_eps)
-            if not self.spec.is_moe_layer(layer):
-                return _Routed(h)
-            weights, experts = route(dense.router, h, self.spec)
-        if self.recorder is not None:
-            self.recorder.record(layer, experts)
-        return _Routed(h, weights, experts)
-
-    def _ffn(self, layer: int, acts: list[_Activation], routed: list[_Routed]) -> None:
+    def _ffn(self, layer: int, acts: list[Activation], routed: list[Routed]) -> None:
         """x += FFN(h) for the given micro-batches: the routed experts one at a time across all
-        of them, then the part held with the dense weights (shared expert or dense MLP)."""
-        t_start = time.perf_counter()
+        of them (wherever each one's weights are), then the runner adds the dense part."""
+        t0 = time.perf_counter()
         h = torch.cat([r.h for r in routed])
         out = self._experts(layer, h, routed) if self.spec.is_moe_layer(layer) else None
-        dense = self.runner.weights.layers[layer].dense
-        if dense.holds_ffn:
-            with self._device(f"dense ffn L{layer}"):
-                out = ffn_output(dense, h, out)
-        start = 0
-        for act in acts:
-            end = start + act.x.shape[0]
-            act.x = act.x + out[start:end]
-            start = end
-        self.runner.times.ffn_s += time.perf_counter() - t_start
+        t1 = time.perf_counter()
+        self.runner.times.ffn_s += t1 - t0  # the runner's ffn times its own part
+        with self._device(f"dense ffn L{layer}"):
+            self.runner.ffn(layer, acts, routed, experts_out=out)
 
-    def _experts(self, layer: int, h: torch.Tensor, routed: list[_Routed]) -> torch.Tensor:
+    def _experts(self, layer: int, h: torch.Tensor, routed: list[Routed]) -> torch.Tensor:
         """Sum of the routed experts' outputs, resident and streamed ones on the device, the
         ones Twiddler places on the CPU there."""
         weights = torch.cat([r.weights for r in routed])
@@ -335,18 +305,12 @@ class OffloadPipeline:
         self.trace.add(CPU_LANE, f"cpu-expert L{layer} E{e}", t0, t1)
         return tokens, result
 
-    def _head(self, batches: list[MicroBatchInput], acts: list[_Activation]) -> torch.Tensor:
+    def _head(self, batches: list[MicroBatchInput], acts: list[Activation]) -> torch.Tensor:
         with self._device("head"):
-            t0 = time.perf_counter()
-            w = self.runner.weights
-            last = torch.cat([act.x[mb.logits_indices] for mb, act in zip(batches, acts)])
-            h = rms_norm(last, w.final_norm, self.spec.rms_norm_eps)
-            logits = self.backend.to_host(F.linear(h, w.lm_head).float())
-            self.runner.times.head_s += time.perf_counter() - t0
-        return logits
+            return self.backend.to_host(self.runner.lm_head(batches, acts))
 
-    def _device(self, label: str, times_field: Optional[str] = None) -> "_DeviceSpan":
-        return _DeviceSpan(self, label, times_field)
+    def _device(self, label: str) -> "_DeviceSpan":
+        return _DeviceSpan(self, label)
 
     def _finish_step(self, streamed_before: int, link_before: int) -> None:
         s = self._step
@@ -357,10 +321,11 @@ class OffloadPipeline:
 
 
 class _DeviceSpan:
-    """Times a block of device work into the step stats and the trace."""
+    """Times a block of device work into the step stats and the trace (the runner's parts
+    record their own PhaseTimes)."""
 
-    def __init__(self, pipe: OffloadPipeline, label: str, times_field: Optional[str]):
-        self.pipe, self.label, self.times_field = pipe, label, times_field
+    def __init__(self, pipe: OffloadPipeline, label: str):
+        self.pipe, self.label = pipe, label
 
     def __enter__(self):
         self.t0 = time.perf_counter()
@@ -369,9 +334,6 @@ class _DeviceSpan:
         t1 = time.perf_counter()
         self.pipe._step.device_compute_time_s += t1 - self.t0
         self.pipe.trace.add(DEVICE_LANE, self.label, self.t0, t1)
-        if self.times_field is not None:
-            times = self.pipe.runner.times
-            setattr(times, self.times_field, getattr(times, self.times_field) + t1 - self.t0)
         return False
 
 
