@@ -1,6 +1,6 @@
 """Model weights held per layer as a dense part plus per-expert tensors.
 
-The split is what a weight pager (issue 5) swaps: a layer's dense part is small and always
+The split is what the weight pager (offload/pager.py) swaps: a layer's dense part is small and always
 resident; each expert is an independent unit that can be resident, streamed, or computed on the
 CPU. Projections are fused at load time (q|k|v, w1|w3) so a step runs one GEMM each. A dense
 layer's MLP and a shared expert are part of the dense weights: every token uses them, so they

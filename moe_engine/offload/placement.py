@@ -13,7 +13,6 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -165,13 +164,6 @@ def measure_expert_profile(backend, w13: torch.Tensor, w2: torch.Tensor,
                                 LatencyCurve(tuple(token_counts), tuple(dev_s)),
                                 link_bytes_per_s=link,
                                 expert_bytes=host.w13.nbytes + host.w2.nbytes)
-
-
-def save_profile(profile: ExpertLatencyProfile, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
-    return path
 
 
 class ExpertPlacer:

@@ -77,7 +77,3 @@ class Trace:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps([asdict(s) for s in self.spans()]))
         return path
-
-    @staticmethod
-    def load(path: str | Path) -> list[Span]:
-        return [Span(**d) for d in json.loads(Path(path).read_text())]
