@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-FORBIDDEN = ("torch", "moe_engine.engine", "moe_engine.offload", "moe_engine.tools", "moe_engine.stages")
+FORBIDDEN = ("torch", "moe_engine.engine", "moe_engine.offload", "moe_engine.tools", "moe_engine.stages",
+             "moe_engine._kernels")
 
 _PROBE = """
 import sys
@@ -29,6 +30,13 @@ def test_perf_runs_without_torch_engine_tools_or_stages():
     loaded = set(out.split())
     bad = sorted(m for m in loaded if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
     assert not bad, f"the performance model imported {bad}"
+
+
+def test_fingerprint_sees_the_built_kernel_as_the_engine_does():
+    from moe_engine.model.paged_attention import HAS_CYTHON_KERNELS
+    from moe_engine.perf.hardware import cython_kernel_built
+
+    assert cython_kernel_built() == HAS_CYTHON_KERNELS
 
 
 def test_auto_profile_without_a_cached_profile_asks_for_the_profiler(tmp_path):

@@ -8,8 +8,8 @@ the schema does not know); `hardware.profile` points at it.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.metadata
-import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -20,8 +20,9 @@ import yaml
 from .specs import GB, TFLOPS, GemmPoint, HardwareSpec, ModelSpec
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
-# The compiled decode-attention kernel (moe_engine/_kernels, imported by model/paged_attention).
-CYTHON_KERNEL_MODULE = "moe_engine._kernels.paged_attention"
+# The compiled decode-attention kernel that model/paged_attention imports when it is built.
+CYTHON_KERNEL_DIR = Path(__file__).resolve().parents[1] / "_kernels"
+CYTHON_KERNEL_NAME = "paged_attention"
 # Engine-loop figures a profile must carry (profiles from before they existed lack them).
 HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us")
 
@@ -92,8 +93,15 @@ def machine_fingerprint() -> str:
         parts.append(gpu_name())
     except importlib.metadata.PackageNotFoundError:
         parts.append("no-torch")
-    parts.append(f"cython={importlib.util.find_spec(CYTHON_KERNEL_MODULE) is not None}")
+    parts.append(f"cython={cython_kernel_built()}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def cython_kernel_built() -> bool:
+    """Whether the compiled attention kernel exists, looked up as a file: find_spec would import
+    its package, and the performance model imports no kernel code."""
+    return any((CYTHON_KERNEL_DIR / f"{CYTHON_KERNEL_NAME}{suffix}").exists()
+               for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
 
 def gpu_name() -> str:
