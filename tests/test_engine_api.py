@@ -172,3 +172,50 @@ def test_sampling_params_validate():
     assert SamplingParams(top_k=5, top_p=0.5, temperature=0.7, seed=3, stop=("x",)).validate() is None
     assert SamplingParams(stop="abc").validate()  # a bare string is a likely caller bug
     assert SamplingParams(seed=-1).validate()
+
+
+class _FixedLogitsRunner:
+    """Prefers token 7 for every sequence; counts the steps it served."""
+
+    def __init__(self, vocab: int):
+        from moe_engine.engine.model_runner import PhaseTimes
+
+        self.vocab, self.times, self.steps = vocab, PhaseTimes(), 0
+
+    def forward(self, micro_batches):
+        self.steps += 1
+        n = sum(int(mb.logits_indices.numel()) for mb in micro_batches)
+        logits = torch.zeros(n, self.vocab)
+        logits[:, 7] = 1.0
+        return logits
+
+
+def test_engine_loop_runs_around_any_runner_without_a_checkpoint():
+    runner = _FixedLogitsRunner(vocab=32)
+    engine = LLMEngine.around(runner, EngineConfig(block_size=4, max_num_seqs=4), num_blocks=16,
+                              vocab_size=32, max_model_len=64, eos_token_ids=frozenset({9}))
+    reqs = [Request(f"r{i}", prompt_token_ids=[1, 2, 3 + i],
+                    sampling=SamplingParams(max_new_tokens=5)) for i in range(3)]
+    reqs.append(Request("bad", prompt_token_ids=[1, 40]))
+    results = {r.request_id: r for r in engine.generate(reqs)}
+    assert results["bad"].status == "rejected" and "out of range" in results["bad"].error
+    assert all(results[f"r{i}"].token_ids == [7] * 5 for i in range(3))
+    assert all(results[f"r{i}"].finish_reason == "length" for i in range(3))
+    assert runner.steps == engine.stats.steps == 5
+
+
+def test_host_overhead_is_measured_on_the_engine_loop(monkeypatch):
+    from moe_engine.tools.profile_hardware import measure_host_overhead
+
+    steps = []
+    real_step = LLMEngine._step
+
+    def counted(self, start):
+        steps.append(self)
+        return real_step(self, start)
+
+    monkeypatch.setattr(LLMEngine, "_step", counted)
+    figures = measure_host_overhead(vocab_size=50, prompt=8, batches=(1, 4), steps=3)
+    assert set(figures) == {"host_step_s", "host_seq_s", "host_token_s"}
+    assert all(v >= 0 for v in figures.values())
+    assert len(steps) == 2 * (1 + 3 + 1)  # per batch size: prefill, the timed steps, the last

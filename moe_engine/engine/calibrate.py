@@ -59,7 +59,7 @@ def save_routing_profile(profile: RoutingProfile, model_dir: str | Path,
     return profile.save(profile_path(model_dir, cache_dir))
 
 
-def routing_profile(engine, model_dir: str | Path, resident_ratio: float,
+def find_or_record_routing(engine, model_dir: str | Path, resident_ratio: float,
                     cache_dir: Optional[str | Path] = None) -> Optional[RoutingProfile]:
     """The model's saved profile; with none saved and r_w < 1 (residency then matters), one
     recorded on the bundled prompts and saved. None when there is none and none is needed or

@@ -16,7 +16,7 @@ import torch
 
 from moe_engine.config import EngineConfig
 from moe_engine.engine.block_manager import BlockAllocator
-from moe_engine.engine.calibrate import routing_profile
+from moe_engine.engine.calibrate import find_or_record_routing
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.engine.request import Request, RequestResult
 from moe_engine.engine.sampling import sample
@@ -48,35 +48,59 @@ class LLMEngine:
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
                  dtype: str = "auto"):
-        self.config = config
-        self.threads = config.threads or os.cpu_count() or 1
-        torch.set_num_threads(self.threads)
+        threads = config.threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
         self.spec = load_spec(model_dir)
         self.dtype = resolve_dtype(dtype, self.spec)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.max_model_len = min(self.spec.max_position_embeddings,
-                                 self.tokenizer.model_max_length)
+        tokenizer = load_tokenizer(model_dir)
+        max_model_len = min(self.spec.max_position_embeddings, tokenizer.model_max_length)
         weights = load_weights(model_dir, self.spec, self.dtype)
         self.weights_bytes = weights.nbytes()
         num_blocks = blocks_for_budget(self.spec, self.dtype, config.kv_cache_gb, config.block_size)
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, self.dtype)
+        runner = ModelRunner(self.spec, weights, cache,
+                             DecodeAttention(config.attention, threads,
+                                             head_dim=self.spec.head_dim),
+                             max_model_len, self.dtype)
+        eos = frozenset(tokenizer.eos_token_ids) or frozenset(self.spec.eos_token_ids)
+        self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,
+                        tokenizer)
+        self.threads = threads
+        settings = offload_settings(config)
+        if settings is not None:
+            routing = find_or_record_routing(self, model_dir, settings.resident_ratio)
+            self.offload = build_offload_pipeline(self.runner, settings, routing=routing)
+            self.runner = self.offload
+
+    @classmethod
+    def around(cls, runner, config: EngineConfig, num_blocks: int, vocab_size: int,
+               max_model_len: int, eos_token_ids: frozenset[int] = frozenset(),
+               tokenizer=None) -> "LLMEngine":
+        """The engine's loop around a given runner (anything with `forward(batches) -> logits`
+        and `times`), reading no checkpoint: requests then need prompt_token_ids unless a
+        tokenizer is given. The hardware profiler times the real step loop this way, with a
+        runner that returns logits at once."""
+        engine = cls.__new__(cls)
+        engine.spec = None
+        engine.threads = config.threads or torch.get_num_threads()
+        engine._init_loop(runner, config, num_blocks, vocab_size, max_model_len, eos_token_ids,
+                          tokenizer)
+        return engine
+
+    def _init_loop(self, runner, config: EngineConfig, num_blocks: int, vocab_size: int,
+                   max_model_len: int, eos_token_ids: frozenset[int], tokenizer) -> None:
+        self.config = config
+        self.runner = runner
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.runner = ModelRunner(self.spec, weights, cache,
-                                  DecodeAttention(config.attention, self.threads,
-                                                  head_dim=self.spec.head_dim),
-                                  self.max_model_len, self.dtype)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
         self.offload: Optional[OffloadPipeline] = None
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) or frozenset(
-            self.spec.eos_token_ids)
         self.stats = EngineStats()
         # Tests and profilers may observe each step's logits (sequences in batch order).
         self.logits_observer: Optional[LogitsObserver] = None
         self._rng = random.Random()
-        settings = offload_settings(config)
-        if settings is not None:
-            routing = routing_profile(self, model_dir, settings.resident_ratio)
-            self.offload = build_offload_pipeline(self.runner, settings, routing=routing)
-            self.runner = self.offload
 
     def close(self) -> None:
         """Stop the offload pipeline's worker threads (a no-op for the plain runner)."""
@@ -157,8 +181,8 @@ class LLMEngine:
             return RequestResult.rejected(rid, f"cannot tokenize request: {exc}")
         if not ids:
             return RequestResult.rejected(rid, "empty prompt")
-        if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
-            return RequestResult.rejected(rid, f"token id out of range [0, {self.spec.vocab_size})",
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            return RequestResult.rejected(rid, f"token id out of range [0, {self.vocab_size})",
                                           ids)
         if len(ids) >= self.max_model_len:
             return RequestResult.rejected(
@@ -219,17 +243,21 @@ class LLMEngine:
         return seq.finish_reason is not None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.completion_token_ids)
+        text = self._decode(seq.completion_token_ids)
         cut = min((i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0), default=-1)
         if cut < 0:
             return False
         seq.stop_text = text[:cut]
         return True
 
+    def _decode(self, ids: list[int]) -> str:
+        # An engine built `around` a runner may have no tokenizer: its results carry ids only.
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
     def _result(self, seq: Sequence, status: str = "ok",
                 error: Optional[str] = None) -> RequestResult:
         completion = seq.completion_token_ids
-        text = seq.stop_text if seq.stop_text is not None else self.tokenizer.decode(completion)
+        text = seq.stop_text if seq.stop_text is not None else self._decode(completion)
         return RequestResult(
             request_id=seq.request_id, status=status,
             finish_reason=seq.finish_reason if status == "ok" else None,

@@ -1,7 +1,8 @@
 """Tensors one engine step feeds the model and the sampler, built from its sequences.
 
-Kept apart from the engine loop so the profiler can time exactly the host-side work a step
-costs (perf/profile.py, `measure_host_overhead`).
+Kept apart from the engine loop so the loop reads as schedule, pack, run, sample; the
+hardware profiler times all of it by running the loop itself (tools/profile_hardware.py,
+`measure_host_overhead`).
 """
 from __future__ import annotations
 

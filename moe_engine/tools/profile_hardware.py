@@ -154,45 +154,47 @@ def measure_op_overhead(hidden: int = 1024, dtype_bytes: int = 4) -> float:
 def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 64,
                           batches: tuple[int, int] = (1, 128), steps: int = 24) -> dict[str, float]:
     """Host-side seconds the engine loop spends per step outside the model: scheduling, packing
-    the step's inputs, sampling (argmax over the vocabulary) and appending the tokens. Measured
-    on the engine's own code (scheduler, step_inputs, sampling) at two decode batch sizes and
-    split into a per-step and a per-sequence part; a prefill pass costs per prompt token
-    (`host_token_s`). Small models on a CPU spend a fifth of a step here."""
+    the step's inputs, sampling (argmax over the vocabulary), appending the tokens and the
+    step's bookkeeping. Measured by running the engine's own loop (`LLMEngine.around`) on a
+    runner that returns logits at once, at two decode batch sizes, and split into a per-step
+    and a per-sequence part; a prefill pass costs per prompt token (`host_token_s`). Small
+    models on a CPU spend a fifth of a step here."""
     import torch
 
-    from moe_engine.engine.block_manager import BlockAllocator
-    from moe_engine.engine.request import SamplingParams
-    from moe_engine.engine.sampling import sample
-    from moe_engine.engine.scheduler import Scheduler
-    from moe_engine.engine.sequence import Sequence
-    from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
+    from moe_engine.config import EngineConfig
+    from moe_engine.engine.llm_engine import LLMEngine
+    from moe_engine.engine.model_runner import PhaseTimes
+    from moe_engine.engine.request import Request, SamplingParams
 
-    def engine_step(scheduler: Scheduler, logits: torch.Tensor) -> None:
-        step = scheduler.schedule()
-        for mb in step.micro_batches:
-            micro_batch_input(mb, block_size)
-        seqs = step.sequences
-        tokens = sample(logits, sampling_batch(seqs)).tolist()
-        for seq, token in zip(seqs, tokens):
-            seq.num_cached_tokens = seq.num_tokens
-            seq.token_ids.append(token)
+    class InstantRunner:
+        """Fixed logits, returned at once; notes when each step reaches the model, so the time
+        between two calls is one step of host work."""
+
+        def __init__(self, n: int):
+            self.logits = torch.randn(n, vocab_size)
+            self.times = PhaseTimes()
+            self.calls: list[float] = []
+
+        def forward(self, micro_batches) -> torch.Tensor:
+            self.calls.append(time.perf_counter())
+            return self.logits[:sum(int(mb.logits_indices.numel()) for mb in micro_batches)]
 
     def run(n: int) -> tuple[float, float]:
-        allocator = BlockAllocator(n * ((prompt + steps + 2) // block_size + 2) + 8, block_size)
-        scheduler = Scheduler(allocator, n, n * prompt)
+        runner = InstantRunner(n)
+        config = EngineConfig(block_size=block_size, max_num_seqs=n, max_prefill_tokens=n * prompt,
+                              num_micro_batches=1)
+        engine = LLMEngine.around(runner, config,
+                                  num_blocks=n * ((prompt + steps + 2) // block_size + 2) + 8,
+                                  vocab_size=vocab_size, max_model_len=prompt + steps + 8)
         greedy = SamplingParams(max_new_tokens=steps + 2)
-        for i in range(n):
-            scheduler.add(Sequence(f"p{i}", list(range(1, prompt + 1)), greedy, i, 1 << 20))
-        logits = torch.randn(n, vocab_size)
+        requests = [Request(f"p{i}", prompt_token_ids=list(range(1, prompt + 1)),
+                            sampling=greedy) for i in range(n)]
         t0 = time.perf_counter()
-        engine_step(scheduler, logits)  # the prefill pass
-        prefill = time.perf_counter() - t0
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine_step(scheduler, logits)
-            times.append(time.perf_counter() - t0)
-        return prefill, statistics.median(times)
+        for _ in engine.generate(requests):
+            pass
+        calls = runner.calls  # the prefill step, then steps + 1 decode steps
+        prefill = calls[1] - t0  # admission, the prefill pass and one decode step's scheduling
+        return prefill, statistics.median(b - a for a, b in zip(calls[1:], calls[2:]))
 
     (_, small), (prefill, large) = run(batches[0]), run(batches[1])
     per_seq = max(0.0, (large - small) / (batches[1] - batches[0]))
