@@ -117,3 +117,41 @@ def test_fully_resident_pipeline_measures_no_expert_latency(tiny_mixtral_dir, re
         assert _tokens(engine) == reference
     with pytest.raises(ValueError, match="latency profile"):
         ExpertPlacer(None).decide(4, resident=False, bytes_to_move=1)
+
+
+def test_profile_is_looked_up_recorded_on_the_plain_runner_and_saved_once(tiny_mixtral_dir,
+                                                                          tmp_path, monkeypatch):
+    import moe_engine.engine.calibrate as calibrate
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_mixtral_dir, model_dir)
+    # Earlier engines with r_w < 1 on the shared fixture may have saved one there.
+    (model_dir / PROFILE_NAME).unlink(missing_ok=True)
+    calls = {"find": 0, "save": 0, "runners": []}
+    real_find, real_save, real_record = (calibrate.find_profile, calibrate.save_routing_profile,
+                                         calibrate.record_routing)
+
+    def find(*args, **kwargs):
+        calls["find"] += 1
+        return real_find(*args, **kwargs)
+
+    def save(*args, **kwargs):
+        calls["save"] += 1
+        return real_save(*args, **kwargs)
+
+    def record(engine, requests):
+        calls["runners"].append(type(engine.runner).__name__)
+        return real_record(engine, requests)
+
+    monkeypatch.setattr(calibrate, "find_profile", find)
+    monkeypatch.setattr(calibrate, "save_routing_profile", save)
+    monkeypatch.setattr(calibrate, "record_routing", record)
+    config = dataclasses.replace(CONFIG, resident_ratio=0.5)
+    with LLMEngine(model_dir, config, dtype="float32") as engine:
+        assert calls == {"find": 1, "save": 1, "runners": ["ModelRunner"]}
+        assert engine.runner is engine.offload
+        assert engine.offload.runner.routing_observer is None  # recording ended with calibration
+        assert engine.offload.pager.profile == find_profile(model_dir)
+    # The saved profile is found next time: nothing is recorded or saved again.
+    with LLMEngine(model_dir, config, dtype="float32"):
+        assert calls == {"find": 2, "save": 1, "runners": ["ModelRunner"]}
