@@ -121,7 +121,7 @@ def run_engine(model_dir: Path, rows: list[dict], new_tokens: int, threads: int,
     stats = engine.stats.to_dict()
     stats.pop("timeline")
     out = {"tok_s": len(results) * new_tokens / wall, "wall_s": wall, "stats": stats,
-           "attention": engine.attention_impl, "weights_bytes": engine.weights_bytes,
+           "attention": engine.attention_path, "weights_bytes": engine.weights_bytes,
            "prompt_lens": [r.prompt_tokens for r in results], "spec": engine.spec}
     del engine
     gc.collect()
