@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.kernels-built
-PYX := $(wildcard kernels_cy/*.pyx kernels_cy/*.pxd kernels_cy/*.h)
+PYX := $(wildcard kernels_cy/*.pyx kernels_cy/*.pxd kernels_cy/*.h kernels_cy/isa_*.c)
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
 

@@ -1,5 +1,9 @@
 """Build the Cython kernels in kernels_cy/ as extensions of the moe_engine package.
 
+The packed GEMM / expert kernels are compiled once per instruction set (kernels_cy/isa_*.c, each
+with its own -m flags) and linked into one extension; kernels_cy/isa_dispatch.c picks the build
+the running CPU supports, so the result runs on any x86-64 whatever machine built it.
+
 OpenMP is probed with a tiny compile: where the compiler lacks it (e.g. Apple clang without
 libomp) the kernels still build, single-threaded, and `moe_engine.model.paged_attention.HAS_OPENMP` says so.
 Set MOE_BATCH_NO_OPENMP=1 to force that fallback, MOE_BATCH_NATIVE=0 to drop -march=native
@@ -12,6 +16,17 @@ import sys
 import tempfile
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# ISA builds of the packed kernels: (source, compiler flags, macro telling isa_dispatch.c it exists)
+ISA_BUILDS = [
+    ("isa_generic.c", [], None),
+    ("isa_avx2.c", ["-mavx2", "-mfma", "-mf16c"], "MOE_BUILT_AVX2"),
+    ("isa_avx512.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+     "MOE_BUILT_AVX512"),
+]
+# Extensions that link the ISA builds and the dispatcher.
+ISA_EXTENSIONS = {"packed_gemm"}
 
 
 def _compiler_accepts(flags: list[str]) -> bool:
@@ -28,37 +43,80 @@ def _compiler_accepts(flags: list[str]) -> bool:
         return result.returncode == 0
 
 
+def _isa_builds() -> list[tuple[str, list[str], str | None]]:
+    """The ISA builds this compiler can produce (x86 flags are refused elsewhere)."""
+    return [(src, flags, macro) for src, flags, macro in ISA_BUILDS
+            if not flags or _compiler_accepts(flags)]
+
+
+class IsaBuildExt(build_ext):
+    """Compiles each ISA source with its own flags before linking the extensions that use it
+    (distutils would compile every source of an extension with the same flags)."""
+
+    # module name -> (ISA builds, base compile flags), filled by _extensions(); cythonize
+    # returns new Extension objects, so the plan cannot ride on them.
+    isa_plans: dict[str, tuple[list, list[str]]] = {}
+
+    def build_extension(self, ext):
+        plan = self.isa_plans.get(ext.name)
+        if plan:
+            builds, base_args = plan
+            objects = []
+            for src, flags, _ in builds:
+                objects += self.compiler.compile(
+                    [os.path.join("kernels_cy", src)], output_dir=self.build_temp,
+                    include_dirs=ext.include_dirs, macros=ext.define_macros,
+                    extra_postargs=base_args + flags, depends=ext.depends)
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extension(ext)
+
+
 def _extensions():
     from Cython.Build import cythonize
     import numpy
 
-    compile_args = ["-O3", "-fno-math-errno"]
+    base_args = ["-O3", "-fno-math-errno"]
     link_args: list[str] = []
+    native_args = list(base_args)
     if os.environ.get("MOE_BATCH_NATIVE", "1") == "1" and _compiler_accepts(["-march=native"]):
-        compile_args.append("-march=native")
+        native_args.append("-march=native")
     use_openmp = os.environ.get("MOE_BATCH_NO_OPENMP") != "1" and _compiler_accepts(["-fopenmp"])
     if use_openmp:
-        compile_args.append("-fopenmp")
+        base_args.append("-fopenmp")
+        native_args.append("-fopenmp")
         link_args.append("-fopenmp")
     else:
         print("moe-batch: building kernels WITHOUT OpenMP (single-threaded)", file=sys.stderr)
     sources = sorted(f for f in os.listdir("kernels_cy") if f.endswith(".pyx")) \
         if os.path.isdir("kernels_cy") else []
-    exts = [
-        Extension(
-            f"moe_engine._kernels.{os.path.splitext(name)[0]}",
-            [os.path.join("kernels_cy", name)],
+    builds = _isa_builds()
+    isa_macros = [(macro, "1") for _, _, macro in builds if macro]
+    headers = [os.path.join("kernels_cy", f) for f in ("moe_isa.h", "packed_gemm_impl.h")] \
+        + [os.path.join("kernels_cy", src) for src, _, _ in builds]
+    exts = []
+    for name in sources:
+        module = os.path.splitext(name)[0]
+        with_isa = module in ISA_EXTENSIONS
+        ext = Extension(
+            f"moe_engine._kernels.{module}",
+            [os.path.join("kernels_cy", name)]
+            + ([os.path.join("kernels_cy", "isa_dispatch.c")] if with_isa else []),
             include_dirs=[numpy.get_include(), "kernels_cy"],
-            extra_compile_args=compile_args,
+            # The dispatching extensions are built for the baseline ISA: only their ISA objects
+            # use wider instructions, behind the CPUID check.
+            extra_compile_args=base_args if with_isa else native_args,
             extra_link_args=link_args,
             define_macros=[("MOE_HAS_OPENMP", "1" if use_openmp else "0"),
-                           ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+                           ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+            + (isa_macros if with_isa else []),
+            depends=headers if with_isa else [],
         )
-        for name in sources
-    ]
+        if with_isa:
+            IsaBuildExt.isa_plans[ext.name] = (builds, base_args)
+        exts.append(ext)
     return cythonize(exts, language_level=3, compile_time_env={"HAS_OPENMP": use_openmp},
                      compiler_directives={"boundscheck": False, "wraparound": False,
                                           "cdivision": True, "initializedcheck": False})
 
 
-setup(ext_modules=_extensions())
+setup(ext_modules=_extensions(), cmdclass={"build_ext": IsaBuildExt})

@@ -17,13 +17,24 @@ import torch
 @dataclass
 class ExpertWeights:
     """One SwiGLU MLP (a routed expert, a shared expert or a dense layer's MLP):
-    w13 = [gate; up] of shape [2*I, H], w2 = down of shape [H, I]."""
+    w13 = [gate; up] of shape [2*I, H], w2 = down of shape [H, I]; or, packed for the CPU
+    kernels (model/packed.py), 3-D panel tensors with int8/int4 scales in s13/s2."""
 
     w13: torch.Tensor
     w2: torch.Tensor
+    s13: Optional[torch.Tensor] = None
+    s2: Optional[torch.Tensor] = None
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from (t for t in (self.w13, self.w2, self.s13, self.s2) if t is not None)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExpertWeights":
+        """A copy with `fn` applied to every tensor."""
+        return ExpertWeights(*(fn(t) if t is not None else None
+                               for t in (self.w13, self.w2, self.s13, self.s2)))
 
     def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return sum(t.nbytes for t in self.tensors())
 
 
 @dataclass
@@ -52,21 +63,20 @@ class DenseLayerWeights:
     def tensors(self) -> Iterator[torch.Tensor]:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, ExpertWeights):
-                yield value.w13
-                yield value.w2
-            elif value is not None:
+            if isinstance(value, torch.Tensor):
                 yield value
+            elif value is not None:  # ExpertWeights or a packed projection
+                yield from value.tensors()
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "DenseLayerWeights":
         """A copy with `fn` applied to every tensor (e.g. moved to the device)."""
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, ExpertWeights):
-                changes[f.name] = ExpertWeights(fn(value.w13), fn(value.w2))
-            elif value is not None:
+            if isinstance(value, torch.Tensor):
                 changes[f.name] = fn(value)
+            elif value is not None:
+                changes[f.name] = value.map(fn)
         return replace(self, **changes)
 
     def nbytes(self) -> int:

@@ -1,0 +1,85 @@
+/* Run-time ISA dispatch for the CPU kernels: the interface every ISA build implements.
+ *
+ * kernels_cy/isa_<name>.c compiles the same templates (packed_gemm_impl.h) once per
+ * instruction set with that set's flags (setup.py), each defining one moe_isa_ops table;
+ * isa_dispatch.c picks the best table the running CPU supports (CPUID) when the extension loads,
+ * so one build runs at the machine's roofs on an AVX2-only EPYC and on an AVX-512 Xeon alike,
+ * and never executes an instruction the CPU lacks.
+ *
+ * Packed weight layout (see moe_engine/model/packed.py, which packs): a weight W [N, K] (out x in)
+ * is cut into panels of MOE_NR = 32 output columns, padded with zero rows; panel p stores, for
+ * each k, one "k-row" of 32 elements, so the inner loop streams the panel contiguously.
+ *   f32, f16, i8: element c of a k-row is W[32p + c, k] (natural order)
+ *   bf16: element 2i is W[32p + i, k] and 2i+1 is W[32p + 16 + i, k] (i < 16): one 32-bit word
+ *         then holds columns i and 16+i, and a shift and a mask widen 32 of them to fp32
+ *   i8 also has a per-output-channel fp32 scale, in packed column order: scale[32p + c]
+ *   i4: byte i (i < 16) of a k-row holds column i in its low nibble and column 16+i in its high
+ *       one, each q in [0, 15] for W = (q - 8) * scale; scale is [P, k/G, 32] fp32 per group of
+ *       G = MOE_I4_GROUP inputs and output column (Klotski's group-wise 4-bit)
+ * Every ISA computes each output as one fp32 FMA chain over k in increasing order, so a row's
+ * result does not depend on the other rows of the call (batch invariance) nor on the ISA when
+ * the ISA has FMA.
+ */
+#ifndef MOE_ISA_H
+#define MOE_ISA_H
+
+#include <stdint.h>
+
+#define MOE_NR 32
+#define MOE_I4_GROUP 32
+
+enum moe_wdtype { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4 };
+enum moe_isa { MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_COUNT = 3 };
+
+/* A packed weight: data in the layout above, n true output columns, k inputs. */
+typedef struct {
+    const void *data;
+    const float *scale; /* i8: [P*32]; i4: [P, k/G, 32]; else NULL */
+    int64_t n, k;
+    int dtype;
+} moe_packed;
+
+/* One SwiGLU expert as the kernels hold it: w13 packs gate|up so that panel p's columns 0-15
+ * are gate rows 16p..16p+15 and its columns 16-31 the up rows of the same indices (n = 2*I
+ * padded to a multiple of 32); w2 is down [H, I]. */
+typedef struct {
+    moe_packed w13, w2;
+} moe_expert;
+
+typedef struct {
+    const char *name;
+    int lanes; /* fp32 lanes of one vector */
+    /* y[t, :n] = x[t, :k] @ W^T (+ bias) for t < T; x row stride ldx, y row stride ldy. */
+    void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
+                   float *y, int64_t ldy, int nthreads);
+    /* Routed SwiGLU experts over T tokens with top_k choices each: out[t] = sum over s < top_k
+     * (in s order) of weight[t, s] * expert[idx[t, s]](x[t]). experts[e].w13.data NULL means
+     * the expert is absent (its rows must not occur). work and iwork are scratch of
+     * moe_ffn_work_floats and moe_ffn_iwork_ints. Returns 0, -1 for an index naming an absent or
+     * out-of-range expert, -2 when out of memory. */
+    int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx, const float *weight,
+                    int top_k, const moe_expert *experts, int num_experts, float *out, float *work,
+                    int32_t *iwork, int nthreads);
+    /* FLOP/s probe: n iterations of 12 FMA chains per thread; returns a checksum. */
+    double (*fma_probe)(int64_t n, int nthreads);
+} moe_isa_ops;
+
+extern const moe_isa_ops moe_ops_generic;
+extern const moe_isa_ops moe_ops_avx2;
+extern const moe_isa_ops moe_ops_avx512;
+
+/* Scratch the moe_ffn of T tokens x top_k needs, in floats and int32s. */
+static inline int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I) {
+    int64_t rows = T * top_k;
+    return rows * H /* gathered x */ + rows * I /* SwiGLU activations */ + rows * H /* slots */;
+}
+static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) {
+    return T * top_k /* rows by expert */ + num_experts + 1 /* offsets */;
+}
+
+/* Dispatch (isa_dispatch.c). */
+int moe_isa_supported(int isa);
+int moe_isa_best(void);
+const moe_isa_ops *moe_isa_get(int isa);
+
+#endif

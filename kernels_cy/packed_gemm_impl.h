@@ -1,0 +1,391 @@
+/* Packed-weight GEMM and fused MoE expert FFN: the template every ISA build instantiates.
+ *
+ * Included by kernels_cy/isa_<name>.c after defining MOE_VW (fp32 lanes per vector: 4, 8 or 16),
+ * MOE_MR (token rows per register tile) and MOE_OPS_NAME (the moe_isa_ops table to define);
+ * setup.py compiles each of those files with its ISA's flags. GCC/Clang vector extensions keep
+ * one source for every width: the compiler emits SSE, AVX2 or AVX-512 instructions from the same
+ * expressions. Layouts and the batch-invariance contract are described in moe_isa.h.
+ *
+ * Register tile: MOE_MR token rows x 2 vectors of output columns. For a k-row of a panel, pass s
+ * (of 16 / MOE_VW) loads two weight vectors, columns [s*VW, s*VW+VW) and [16+s*VW, 16+s*VW+VW),
+ * widens them to fp32 in registers and does 2*MR FMAs with broadcast activations; the panel is
+ * read from memory once per call and from cache for the following row tiles.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "moe_isa.h"
+
+#if !defined(MOE_VW) || !defined(MOE_MR) || !defined(MOE_OPS_NAME) || !defined(MOE_ISA_LABEL)
+#error "define MOE_VW, MOE_MR, MOE_OPS_NAME and MOE_ISA_LABEL before including packed_gemm_impl.h"
+#endif
+
+/* 64-byte generic vectors without AVX-512 have another ABI; every vector function here is
+ * static, so no call crosses it. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define VW MOE_VW
+#define MR MOE_MR
+#define NPASS (16 / VW)
+/* Tokens per work item: the weight panel stays in cache across an item's row tiles, and the
+ * item's activations (TC rows) are re-read from cache once per panel. */
+#define TC 96
+#define SMALL_WORK (1 << 17) /* multiply-adds below which a call stays on one thread */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+typedef uint8_t vub __attribute__((vector_size(VW)));
+
+static inline vf ldf(const void *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* v in every lane: one vbroadcastss from memory. (`(vf){0} + v` also adds, since 0 + v is not
+ * v for v = -0, and GCC builds a lane loop with inserts.) */
+static inline vf bcast(float v) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(v);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_set1_ps(v);
+#elif VW == 4 && defined(__SSE__)
+    return (vf)_mm_set1_ps(v);
+#else
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = v;
+    return r;
+#endif
+}
+
+/* fp16 -> fp32: F16C/AVX-512 conversions where the build has them, else exponent rebias by a
+ * multiplication (exact for normal and subnormal halves; inf/nan get an all-ones exponent). */
+static inline vf cvt_f16(const void *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vh raw;
+    memcpy(&raw, p, sizeof raw);
+    vu h = __builtin_convertvector(raw, vu);
+    vu em = (h & 0x7fffu) << 13;
+    vu bits = (vu)((vf)em * 0x1p112f);
+    vu special = (vu)((h & 0x7c00u) == 0x7c00u);
+    bits = (bits & ~special) | ((em | 0x7f800000u) & special);
+    return (vf)(bits | ((h & 0x8000u) << 16));
+#endif
+}
+
+/* Bytes of one k-row (32 columns) per weight dtype. */
+static inline int64_t krow_bytes(int dt) {
+    return dt == MOE_W_F32 ? 128 : dt == MOE_W_I8 ? 32 : dt == MOE_W_I4 ? 16 : 64;
+}
+
+/* The two weight vectors of pass s of a k-row, widened to fp32 (i4: raw q, not yet scaled). */
+static inline __attribute__((always_inline)) void load_pair(const int dt, const char *row, int s,
+                                                           vf *a, vf *b) {
+    if (dt == MOE_W_F32) {
+        *a = ldf(row + s * VW * 4);
+        *b = ldf(row + (16 + s * VW) * 4);
+    } else if (dt == MOE_W_BF16) {
+        /* word i holds column i (low half) and column 16+i (high half) */
+        vu w;
+        memcpy(&w, row + s * VW * 4, sizeof w);
+        *a = (vf)(w << 16);
+        *b = (vf)(w & 0xffff0000u);
+    } else if (dt == MOE_W_F16) {
+        *a = cvt_f16(row + s * VW * 2);
+        *b = cvt_f16(row + (16 + s * VW) * 2);
+    } else if (dt == MOE_W_I8) {
+        vb qa, qb;
+        memcpy(&qa, row + s * VW, sizeof qa);
+        memcpy(&qb, row + 16 + s * VW, sizeof qb);
+        *a = __builtin_convertvector(__builtin_convertvector(qa, vi), vf);
+        *b = __builtin_convertvector(__builtin_convertvector(qb, vi), vf);
+    } else { /* MOE_W_I4: byte i holds column i (low nibble) and 16+i (high nibble) */
+        vub q;
+        memcpy(&q, row + s * VW, sizeof q);
+        vi w = __builtin_convertvector(q, vi);
+        *a = __builtin_convertvector(w & 15, vf);
+        *b = __builtin_convertvector(w >> 4, vf);
+    }
+}
+
+/* acc[r][0..1] = sum over k of x[r, k] * (pass s columns of the panel), one FMA chain per
+ * output in increasing k. */
+static inline __attribute__((always_inline)) void micro_kernel(
+    const int dt, const int M, const float *x, int64_t ldx, int64_t K, const char *panel,
+    const float *gscale, int s, vf acc[][2]) {
+    const int64_t rb = krow_bytes(dt);
+    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = (vf){0};
+    if (dt == MOE_W_I4) {
+        for (int64_t g = 0; g < K; g += MOE_I4_GROUP) {
+            const float *sc = gscale + (g / MOE_I4_GROUP) * MOE_NR;
+            const vf sa = ldf(sc + s * VW), sb = ldf(sc + 16 + s * VW);
+            for (int64_t k = g; k < g + MOE_I4_GROUP; k++) {
+                vf a, b;
+                load_pair(dt, panel + k * rb, s, &a, &b);
+                a = (a - 8.0f) * sa;
+                b = (b - 8.0f) * sb;
+                for (int r = 0; r < M; r++) {
+                    const vf xb = bcast(x[r * ldx + k]);
+                    acc[r][0] += a * xb;
+                    acc[r][1] += b * xb;
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        vf a, b;
+        load_pair(dt, panel + k * rb, s, &a, &b);
+        for (int r = 0; r < M; r++) {
+            const vf xb = bcast(x[r * ldx + k]);
+            acc[r][0] += a * xb;
+            acc[r][1] += b * xb;
+        }
+    }
+}
+
+/* tile[r][c] for M rows and the panel's 32 columns (all passes). */
+static inline __attribute__((always_inline)) void tile_m(const int dt, const int M, const float *x,
+                                                        int64_t ldx, int64_t K, const char *panel,
+                                                        const float *gscale, float tile[][MOE_NR]) {
+    for (int s = 0; s < NPASS; s++) {
+        vf acc[M][2];
+        micro_kernel(dt, M, x, ldx, K, panel, gscale, s, acc);
+        for (int r = 0; r < M; r++) {
+            memcpy(&tile[r][s * VW], &acc[r][0], sizeof(vf));
+            memcpy(&tile[r][16 + s * VW], &acc[r][1], sizeof(vf));
+        }
+    }
+}
+
+#define MOE_TILE_CASE(DT, M) \
+    case M: tile_m(DT, M, x, ldx, K, panel, gscale, tile); return;
+#if MR == 8
+#define MOE_TILE_CASES(DT) MOE_TILE_CASE(DT, 1) MOE_TILE_CASE(DT, 2) MOE_TILE_CASE(DT, 3) \
+    MOE_TILE_CASE(DT, 4) MOE_TILE_CASE(DT, 5) MOE_TILE_CASE(DT, 6) MOE_TILE_CASE(DT, 7) \
+    MOE_TILE_CASE(DT, 8)
+#elif MR == 6
+#define MOE_TILE_CASES(DT) MOE_TILE_CASE(DT, 1) MOE_TILE_CASE(DT, 2) MOE_TILE_CASE(DT, 3) \
+    MOE_TILE_CASE(DT, 4) MOE_TILE_CASE(DT, 5) MOE_TILE_CASE(DT, 6)
+#else
+#error "MOE_MR must be 6 or 8"
+#endif
+#define MOE_TILE_FN(NAME, DT)                                                                   \
+    static void NAME(int m, const float *x, int64_t ldx, int64_t K, const char *panel,          \
+                     const float *gscale, float tile[][MOE_NR]) {                               \
+        switch (m) { MOE_TILE_CASES(DT) }                                                       \
+    }
+MOE_TILE_FN(tile_f32, MOE_W_F32)
+MOE_TILE_FN(tile_bf16, MOE_W_BF16)
+MOE_TILE_FN(tile_f16, MOE_W_F16)
+MOE_TILE_FN(tile_i8, MOE_W_I8)
+MOE_TILE_FN(tile_i4, MOE_W_I4)
+
+typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const float *,
+                        float (*)[MOE_NR]);
+
+static tile_fn tile_for(int dt) {
+    switch (dt) {
+        case MOE_W_BF16: return tile_bf16;
+        case MOE_W_F16: return tile_f16;
+        case MOE_W_I8: return tile_i8;
+        case MOE_W_I4: return tile_i4;
+        default: return tile_f32;
+    }
+}
+
+static inline const char *panel_ptr(const moe_packed *w, int64_t p) {
+    return (const char *)w->data + p * w->k * krow_bytes(w->dtype);
+}
+
+/* Group scales of panel p (i4) or NULL. */
+static inline const float *panel_gscale(const moe_packed *w, int64_t p) {
+    return w->dtype == MOE_W_I4 ? w->scale + p * (w->k / MOE_I4_GROUP) * MOE_NR : NULL;
+}
+
+/* Per-column scale of panel p (i8) or NULL. */
+static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
+    return w->dtype == MOE_W_I8 ? w->scale + p * MOE_NR : NULL;
+}
+
+static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
+
+/* Rows [t0, t1) of x against panel p, each MR-row tile handed to the epilogue. */
+#define MOE_FOR_TILES(t0, t1, BODY)                                                            \
+    for (int64_t tb = (t0); tb < (t1); tb += MR) {                                              \
+        const int m = (int)((t1) - tb < MR ? (t1) - tb : MR);                                   \
+        float tile[MR][MOE_NR];                                                                 \
+        BODY                                                                                    \
+    }
+
+static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
+                        const float *bias, float *y, int64_t ldy, int nthreads) {
+    const tile_fn tile_of = tile_for(w->dtype);
+    const int64_t P = num_panels(w), chunks = (T + TC - 1) / TC, items = P * chunks;
+    const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t p = it % P, c = it / P;
+        const int64_t t1 = (c + 1) * TC < T ? (c + 1) * TC : T;
+        const char *panel = panel_ptr(w, p);
+        const float *gs = panel_gscale(w, p), *cs = panel_cscale(w, p);
+        const int ncol = (int)(w->n - p * MOE_NR < MOE_NR ? w->n - p * MOE_NR : MOE_NR);
+        MOE_FOR_TILES(c * TC, t1, {
+            tile_of(m, x + tb * ldx, ldx, w->k, panel, gs, tile);
+            for (int r = 0; r < m; r++) {
+                float *dst = y + (tb + r) * ldy + p * MOE_NR;
+                for (int j = 0; j < ncol; j++) {
+                    float v = cs ? tile[r][j] * cs[j] : tile[r][j];
+                    dst[j] = bias ? v + bias[p * MOE_NR + j] : v;
+                }
+            }
+        })
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* The SwiGLU experts (see moe_isa_ops.moe_ffn). Returns 0, or -1 when an index names an expert
+ * that is out of range or absent. */
+static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx,
+                        const float *weight, int top_k, const moe_expert *experts, int E,
+                        float *out, float *work, int32_t *iwork, int nthreads) {
+    const int64_t rows = T * top_k;
+    int64_t I = 0;
+    for (int e = 0; e < E && I == 0; e++)
+        if (experts[e].w13.data) I = experts[e].w2.k;
+    int32_t *by_expert = iwork, *offset = iwork + rows; /* offset[E+1] */
+    for (int e = 0; e <= E; e++) offset[e] = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t e = idx[r];
+        if (e < 0 || e >= E || experts[e].w13.data == NULL) return -1;
+        offset[e + 1]++;
+    }
+    for (int e = 0; e < E; e++) offset[e + 1] += offset[e];
+    /* counting sort, stable: an expert's rows in increasing (token, slot) order */
+    {
+        int32_t *fill = (int32_t *)malloc(sizeof(int32_t) * (E > 0 ? E : 1));
+        if (!fill) return -2;
+        for (int e = 0; e < E; e++) fill[e] = offset[e];
+        for (int64_t r = 0; r < rows; r++) by_expert[fill[idx[r]]++] = (int32_t)r;
+        free(fill);
+    }
+    float *xg = work, *act = work + rows * H, *slots = act + rows * I;
+    const int parallel = nthreads > 1 && rows * H * I >= SMALL_WORK;
+#pragma omp parallel num_threads(nthreads) if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(xg + i * H, x + (by_expert[i] / top_k) * H, sizeof(float) * H);
+        /* gate|up GEMM and SiLU(gate) * up, per (expert, token chunk, panel) */
+        for (int e = 0; e < E; e++) {
+            const int64_t n = offset[e + 1] - offset[e];
+            if (n == 0) continue;
+            const moe_packed *w = &experts[e].w13;
+            const tile_fn tile_of = tile_for(w->dtype);
+            const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
+            const float *xe = xg + (int64_t)offset[e] * H;
+            float *ae = act + (int64_t)offset[e] * I;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t it = 0; it < P * chunks; it++) {
+                const int64_t p = it % P, c = it / P;
+                const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
+                const float *gs = panel_gscale(w, p), *cs = panel_cscale(w, p);
+                const int ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16);
+                MOE_FOR_TILES(c * TC, t1, {
+                    tile_of(m, xe + tb * H, H, H, panel_ptr(w, p), gs, tile);
+                    for (int r = 0; r < m; r++) {
+                        float *dst = ae + (tb + r) * I + p * 16;
+                        for (int j = 0; j < ncol; j++) {
+                            float g = cs ? tile[r][j] * cs[j] : tile[r][j];
+                            float u = cs ? tile[r][16 + j] * cs[16 + j] : tile[r][16 + j];
+                            dst[j] = silu(g) * u;
+                        }
+                    }
+                })
+            }
+        }
+#pragma omp barrier
+        /* down GEMM, each row weighted by its routing weight into its (token, slot) row */
+        for (int e = 0; e < E; e++) {
+            const int64_t n = offset[e + 1] - offset[e];
+            if (n == 0) continue;
+            const moe_packed *w = &experts[e].w2;
+            const tile_fn tile_of = tile_for(w->dtype);
+            const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
+            const float *ae = act + (int64_t)offset[e] * I;
+            const int32_t *ids = by_expert + offset[e];
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t it = 0; it < P * chunks; it++) {
+                const int64_t p = it % P, c = it / P;
+                const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
+                const float *gs = panel_gscale(w, p), *cs = panel_cscale(w, p);
+                const int ncol = (int)(H - p * MOE_NR < MOE_NR ? H - p * MOE_NR : MOE_NR);
+                MOE_FOR_TILES(c * TC, t1, {
+                    tile_of(m, ae + tb * I, I, I, panel_ptr(w, p), gs, tile);
+                    for (int r = 0; r < m; r++) {
+                        const int32_t row = ids[tb + r];
+                        const float rw = weight[row];
+                        float *dst = slots + (int64_t)row * H + p * MOE_NR;
+                        for (int j = 0; j < ncol; j++)
+                            dst[j] = (cs ? tile[r][j] * cs[j] : tile[r][j]) * rw;
+                    }
+                })
+            }
+        }
+#pragma omp barrier
+        /* each token's slots summed in slot order: fixed whatever the batch */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *dst = out + t * H;
+            const float *src = slots + t * top_k * H;
+            memcpy(dst, src, sizeof(float) * H);
+            for (int s = 1; s < top_k; s++)
+                for (int64_t j = 0; j < H; j++) dst[j] += src[s * H + j];
+        }
+    }
+    return 0;
+}
+
+static double fma_probe_impl(int64_t n, int nthreads) {
+    double total = 0.0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        /* 12 independent chains in named registers (an array would be spilled): more than FMA
+         * latency x FMA ports on every core seen so far, and fits AVX2's 16 registers */
+        const vf m = bcast(0.999999f), c = bcast(1e-7f);
+        vf a0 = (vf){0} + 0.f, a1 = (vf){0} + 1.f, a2 = (vf){0} + 2.f, a3 = (vf){0} + 3.f;
+        vf a4 = (vf){0} + 4.f, a5 = (vf){0} + 5.f, a6 = (vf){0} + 6.f, a7 = (vf){0} + 7.f;
+        vf a8 = (vf){0} + 8.f, a9 = (vf){0} + 9.f, a10 = (vf){0} + 10.f, a11 = (vf){0} + 11.f;
+        for (int64_t it = 0; it < n; it++) {
+            a0 = a0 * m + c; a1 = a1 * m + c; a2 = a2 * m + c; a3 = a3 * m + c;
+            a4 = a4 * m + c; a5 = a5 * m + c; a6 = a6 * m + c; a7 = a7 * m + c;
+            a8 = a8 * m + c; a9 = a9 * m + c; a10 = a10 * m + c; a11 = a11 * m + c;
+        }
+        vf s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) + ((a8 + a9) + (a10 + a11));
+        for (int i = 0; i < VW; i++) total += s[i];
+    }
+    return total;
+}
+
+const moe_isa_ops MOE_OPS_NAME = {
+    .name = MOE_ISA_LABEL,
+    .lanes = VW,
+    .linear = linear_impl,
+    .moe_ffn = moe_ffn_impl,
+    .fma_probe = fma_probe_impl,
+};

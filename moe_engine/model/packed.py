@@ -1,0 +1,291 @@
+"""Weights packed for the CPU kernels, and the GEMMs that run on them.
+
+The kernels (kernels_cy/packed_gemm_impl.h, built once per ISA) keep weights in the checkpoint's
+dtype, or quantized to int8 / int4, in panels of 32 output columns, widen them to fp32 in
+registers and accumulate in fp32, so a bf16 checkpoint runs without torch's bf16 GEMM (8x slower
+than fp32 on CPUs without native bf16) and without an fp32 copy of its weights. Each output is
+one FMA chain over k in order: a row's result does not depend on the rows beside it.
+
+Layouts are described in kernels_cy/moe_isa.h; this module builds them with torch ops:
+- `pack_linear(w)` -> PackedLinear for a dense projection or the LM head (y = x @ w.T + b);
+- `pack_expert(w13, w2)` -> ExpertWeights whose w13/w2 are packed tensors [P, K, 32] (3-D: that
+  shape is how the layers tell a packed expert from a row-major one), gate and up interleaved
+  per panel so that the kernel applies SiLU(gate) * up on its register tile.
+The ISA build is chosen once, at import, from CPUID (`ISA`); `MOE_BATCH_ISA=avx2|avx512|generic`
+forces one the CPU supports (benchmarks and tests), and every function takes `isa=` too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import torch
+
+from moe_engine.model.weights import ExpertWeights
+
+try:
+    from moe_engine._kernels import packed_gemm as _ext
+except ImportError:  # not built: the engine keeps torch's GEMMs
+    _ext = None
+
+HAS_PACKED_KERNELS: bool = _ext is not None
+NR = 32  # output columns per panel (moe_isa.h MOE_NR)
+I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP)
+STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+
+_TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                  "int8": torch.int8, "int4": torch.uint8}
+_CODES = ({"fp32": _ext.W_F32, "bf16": _ext.W_BF16, "fp16": _ext.W_F16, "int8": _ext.W_I8,
+           "int4": _ext.W_I4} if _ext is not None else {})
+_ISA_CODES = {name: code for code, name in _ext.ISA_NAMES.items()} if _ext is not None else {}
+
+
+def supported_isas() -> list[str]:
+    """ISA builds this CPU can run, best last ([] when the kernels are not built)."""
+    return [_ext.ISA_NAMES[c] for c in _ext.supported_isas()] if _ext is not None else []
+
+
+def _default_isa() -> Optional[str]:
+    if _ext is None:
+        return None
+    forced = os.environ.get("MOE_BATCH_ISA")
+    if forced:
+        if forced not in supported_isas():
+            raise RuntimeError(f"MOE_BATCH_ISA={forced!r} is not supported by this CPU "
+                               f"(supported: {supported_isas()})")
+        return forced
+    return _ext.ISA_NAMES[_ext.best_isa()]
+
+
+ISA: Optional[str] = _default_isa()
+
+
+def storage_name(dtype: torch.dtype) -> str:
+    """The packed storage name of a float dtype (what `auto` keeps)."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if dtype not in names:
+        raise ValueError(f"no packed storage for {dtype}")
+    return names[dtype]
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A [n, k] weight in panel layout: `data` [P, k, 32] (int4: [P, k, 16] bytes), `scale`
+    for int8 ([P*32]) and int4 ([P, k/32, 32]), None for float storage."""
+
+    data: torch.Tensor
+    scale: Optional[torch.Tensor]
+    n: int
+    k: int
+    storage: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.data,) if self.scale is None else (self.data, self.scale)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "PackedLinear":
+        return replace(self, data=fn(self.data),
+                       scale=fn(self.scale) if self.scale is not None else None)
+
+
+def _quantize(w: torch.Tensor, storage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row-major [n, k] weight in its storage dtype plus scales (per output row for int8, per
+    row and group of 32 inputs for int4), symmetric, from the fp32 values."""
+    if storage in ("fp32", "bf16", "fp16"):
+        return w.to(_TORCH_STORAGE[storage]), None
+    wf = w.float()
+    if storage == "int8":
+        scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        return torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    if storage == "int4":
+        n, k = wf.shape
+        if k % I4_GROUP:
+            raise ValueError(f"int4 needs an input size that is a multiple of {I4_GROUP}, got {k}")
+        groups = wf.reshape(n, k // I4_GROUP, I4_GROUP)
+        scale = groups.abs().amax(dim=2).clamp_min(1e-12) / 7.0  # [n, k/32]; q - 8 in [-8, 7]
+        q = torch.round(groups / scale[:, :, None]).clamp(-8, 7) + 8
+        return q.reshape(n, k).to(torch.uint8), scale
+    raise ValueError(f"unknown packed storage {storage!r}; choose one of {STORAGE_DTYPES}")
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
+
+
+def _panels(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Panel layout of a row-major [n_pad, k] (n_pad a multiple of 32) storage tensor."""
+    n, k = q.shape
+    p = n // NR
+    panels = q.reshape(p, NR, k).transpose(1, 2)  # [P, k, 32], column c = row 32p + c
+    if storage == "bf16":
+        # word i of a k-row = (column i, column 16+i): interleave the two halves
+        panels = torch.stack([panels[..., :16], panels[..., 16:]], dim=-1).reshape(p, k, NR)
+    elif storage == "int4":
+        lo, hi = panels[..., :16], panels[..., 16:]
+        panels = lo | (hi << 4)  # [P, k, 16] bytes
+    if scale is not None and storage == "int4":
+        scale = scale.reshape(p, NR, k // I4_GROUP).transpose(1, 2)  # [P, k/32, 32]
+    return panels.contiguous(), (scale.float().contiguous() if scale is not None else None)
+
+
+def _pack_rows(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Pad a quantized row-major [n, k] weight (and its per-row scales) to whole panels and
+    lay it out; int8 scales come back flat in packed column order."""
+    padded = -(-q.shape[0] // NR) * NR
+    data, scale = _panels(_pad_rows(q, padded),
+                          _pad_rows(scale, padded) if scale is not None else None, storage)
+    return data, (scale.reshape(-1) if scale is not None and storage == "int8" else scale)
+
+
+def pack_linear(w: torch.Tensor, storage: str) -> PackedLinear:
+    """Pack a row-major weight [n, k] (y = x @ w.T) in `storage`."""
+    n, k = w.shape
+    data, scale = _pack_rows(*_quantize(w, storage), storage)
+    return PackedLinear(data=data, scale=scale, n=n, k=k, storage=storage)
+
+
+def _gate_up_rows(w13: torch.Tensor) -> torch.Tensor:
+    """Rows of [gate; up] (or their per-row scales) reordered so that panel p holds gate rows
+    16p.. then up rows 16p.. (I padded to a multiple of 16)."""
+    flat = w13.dim() == 1
+    rows = w13[:, None] if flat else w13
+    inter, width = rows.shape[0] // 2, rows.shape[1]
+    padded = -(-inter // 16) * 16
+    gate, up = _pad_rows(rows[:inter], padded), _pad_rows(rows[inter:], padded)
+    out = torch.stack([gate.reshape(-1, 16, width), up.reshape(-1, 16, width)],
+                      dim=1).reshape(2 * padded, width)
+    return out.reshape(-1) if flat else out
+
+
+def pack_expert(w13: torch.Tensor, w2: torch.Tensor, storage: str) -> ExpertWeights:
+    """A SwiGLU MLP (w13 = [gate; up] [2I, H], w2 = down [H, I]) packed for `packed_moe_ffn`.
+    Quantized storage scales each row as a whole, before the gate/up reorder."""
+    q13, s13 = _quantize(w13, storage)
+    p13, s13 = _pack_rows(_gate_up_rows(q13), _gate_up_rows(s13) if s13 is not None else None,
+                          storage)
+    p2, s2 = _pack_rows(*_quantize(w2, storage), storage)
+    return ExpertWeights(p13, p2, s13=s13, s2=s2)
+
+
+def is_packed(expert: ExpertWeights) -> bool:
+    return expert.w13.dim() == 3
+
+
+def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
+    if data.dtype == torch.uint8:
+        return "int4"
+    if data.dtype == torch.int8:
+        return "int8"
+    return storage_name(data.dtype)
+
+
+def _threads(threads: Optional[int]) -> int:
+    return threads if threads is not None else torch.get_num_threads()
+
+
+def _isa_code(isa: Optional[str]) -> int:
+    name = isa or ISA
+    if name not in _ISA_CODES:
+        raise ValueError(f"unknown ISA {name!r}; built: {sorted(_ISA_CODES)}")
+    return _ISA_CODES[name]
+
+
+def _require_kernels() -> None:
+    if _ext is None:
+        raise RuntimeError("the packed CPU kernels are not built "
+                           "(python setup.py build_ext --inplace)")
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _as_fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"packed kernels take fp32 CPU activations, got {x.dtype} on {x.device}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def packed_linear(x: torch.Tensor, w: PackedLinear, bias: Optional[torch.Tensor] = None, *,
+                  isa: Optional[str] = None, threads: Optional[int] = None) -> torch.Tensor:
+    """x [..., k] fp32 @ W.T (+ bias) -> [..., n] fp32."""
+    _require_kernels()
+    if x.shape[-1] != w.k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight takes {w.k}")
+    lead = x.shape[:-1]
+    x2 = _as_fp32_rows(x.reshape(-1, w.k))
+    if x2.dim() != 2 or x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], w.n, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.float().contiguous()
+    _ext.linear(x2.data_ptr(), x2.stride(0), x2.shape[0], w.data.data_ptr(), _ptr(w.scale), w.n,
+                w.k, _CODES[w.storage], _ptr(bias), y.data_ptr(), w.n, _threads(threads),
+                _isa_code(isa))
+    return y.reshape(*lead, w.n)
+
+
+def _expert_table(experts: list[Optional[ExpertWeights]]) -> torch.Tensor:
+    rows = []
+    for x in experts:
+        if x is None:
+            rows.append([0] * 10)
+            continue
+        if not is_packed(x):
+            raise ValueError("moe_ffn on the packed kernels needs every expert packed")
+        p13, k13, p2, k2 = x.w13.shape[0], x.w13.shape[1], x.w2.shape[0], x.w2.shape[1]
+        rows.append([x.w13.data_ptr(), _ptr(x.s13), p13 * NR, k13,
+                     _CODES[_storage_of(x.w13, x.s13)],
+                     x.w2.data_ptr(), _ptr(x.s2), p2 * NR, k2, _CODES[_storage_of(x.w2, x.s2)]])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
+                   weights: torch.Tensor, indices: torch.Tensor, *, isa: Optional[str] = None,
+                   threads: Optional[int] = None) -> torch.Tensor:
+    """sum over s of weights[t, s] * SwiGLU_{indices[t, s]}(h[t]) for packed experts: h [T, H]
+    fp32, weights [T, k], indices [T, k] -> [T, H] fp32 (slots summed in s order)."""
+    _require_kernels()
+    h = _as_fp32_rows(h).contiguous()
+    t, hidden = h.shape
+    top_k = indices.shape[1]
+    present = next(x for x in experts if x is not None)
+    inter = present.w2.shape[1]
+    if present.w13.shape[1] != hidden:
+        raise ValueError(f"experts take {present.w13.shape[1]} features, h has {hidden}")
+    idx = indices.to(torch.int64).contiguous()
+    rw = weights.float().contiguous()
+    nwork, niwork = _ext.work_sizes(t, top_k, hidden, inter, len(experts))
+    work = torch.empty(max(nwork, 1), dtype=torch.float32)
+    iwork = torch.empty(max(niwork, 1), dtype=torch.int32)
+    out = torch.empty(t, hidden, dtype=torch.float32)
+    table = _expert_table(experts)
+    _ext.moe_ffn(h.data_ptr(), t, hidden, idx.data_ptr(), rw.data_ptr(), top_k, table.data_ptr(),
+                 len(experts), out.data_ptr(), work.data_ptr(), iwork.data_ptr(), _threads(threads),
+                 _isa_code(isa))
+    return out
+
+
+def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
+                   isa: Optional[str] = None) -> float:
+    """Achieved FLOP/s of a register-blocked FMA loop on `threads` threads (the compute roof)."""
+    import time
+    _require_kernels()
+    code, nthreads = _isa_code(isa), _threads(threads)
+    per_iter = 12 * _ext.lanes(code) * 2 * nthreads
+    n = 1 << 16
+    while True:
+        t0 = time.perf_counter()
+        _ext.fma_probe(n, nthreads, code)
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return n * per_iter / dt
+        n *= 2

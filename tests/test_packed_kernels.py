@@ -1,0 +1,144 @@
+"""The packed CPU kernels (kernels_cy/packed_gemm_impl.h) against an fp64 torch reference, on
+every ISA build this CPU can run, every weight storage, and the awkward sizes: token counts
+around the register tile (1, 2, 15, 16, 17, 64, 333), hidden sizes that are not multiples of
+the panel width, experts that receive no token. Also: a row's result is bitwise the same
+whatever rows share its call (batch invariance), and the same on every FMA-capable ISA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_engine.model import packed
+
+pytestmark = pytest.mark.skipif(not packed.HAS_PACKED_KERNELS, reason="kernels not built")
+
+ISAS = packed.supported_isas()
+TOKENS = [1, 2, 15, 16, 17, 64, 333]
+FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dequantized(w: torch.Tensor, storage: str) -> torch.Tensor:
+    """The weight the kernel multiplies by, in fp64: the storage rounding of w, or its
+    quantization written out independently of the packing code."""
+    if storage in FLOAT:
+        return w.to(FLOAT[storage]).double()
+    w = w.double()
+    if storage == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+        return torch.round(w / scale).clamp(-127, 127) * scale
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    scale = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 7.0
+    return (torch.round(g / scale).clamp(-8, 7) * scale).reshape(n, k)
+
+
+def tolerance(storage: str) -> float:
+    # fp32 accumulation over k <= 300 of O(0.1) terms; the quantized references round with fp64
+    # scales, the kernel with fp32 ones (a last-bit difference of the scale on a few rows).
+    return 2e-5 if storage in FLOAT else 2e-4
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("storage", packed.STORAGE_DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_linear_matches_fp64_reference(isa, storage, tokens):
+    torch.manual_seed(tokens)
+    n, k = 72, 96  # n not a multiple of the 32-column panel
+    w, b = torch.randn(n, k) * 0.1, torch.randn(n)
+    x = torch.randn(tokens, k)
+    y = packed.packed_linear(x, packed.pack_linear(w, storage), b, isa=isa, threads=2)
+    ref = x.double() @ dequantized(w, storage).T + b.double()
+    assert y.shape == (tokens, n) and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() < tolerance(storage)
+
+
+def _experts(num: int, hidden: int, inter: int, storage: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = [torch.randn(2 * inter, hidden, generator=g) * 0.1 for _ in range(num)]
+    w2 = [torch.randn(hidden, inter, generator=g) * 0.1 for _ in range(num)]
+    return w13, w2, [packed.pack_expert(a, b, storage) for a, b in zip(w13, w2)]
+
+
+def _moe_reference(w13, w2, storage, h, weights, indices):
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    inter = w2[0].shape[1]
+    for e in range(len(w13)):
+        tok, slot = (indices == e).nonzero(as_tuple=True)
+        if len(tok) == 0:
+            continue
+        gu = h[tok].double() @ dequantized(w13[e], storage).T
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, weights[tok, slot].double()[:, None]
+                       * (act @ dequantized(w2[e], storage).T))
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("storage", packed.STORAGE_DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_moe_ffn_matches_fp64_reference(isa, storage, tokens):
+    # int4 groups inputs by 32, so its sizes are multiples of 32; the others take odd sizes.
+    hidden, inter = (96, 64) if storage == "int4" else (72, 40)
+    w13, w2, experts = _experts(6, hidden, inter, storage)
+    torch.manual_seed(tokens)
+    h = torch.randn(tokens, hidden)
+    # experts 4 and 5 get no token at all
+    indices = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2)
+    out = packed.packed_moe_ffn(experts, h, weights, indices, isa=isa, threads=2)
+    ref = _moe_reference(w13, w2, storage, h, weights, indices)
+    assert (out.double() - ref).abs().max().item() < tolerance(storage)
+
+
+def test_moe_ffn_rejects_an_absent_expert():
+    _, _, experts = _experts(3, 32, 32, "fp32")
+    experts[1] = None
+    with pytest.raises(ValueError, match="absent expert"):
+        packed.packed_moe_ffn(experts, torch.randn(2, 32), torch.ones(2, 1),
+                              torch.tensor([[0], [1]]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_result_does_not_depend_on_its_batch(isa):
+    """Bitwise: one row alone, in a batch of 7 and of 64, at another position."""
+    torch.manual_seed(0)
+    hidden, inter = 128, 96
+    _, _, experts = _experts(8, hidden, inter, "bf16")
+    lin = packed.pack_linear(torch.randn(200, hidden), "bf16")
+    row = torch.randn(1, hidden)
+    idx, wts = torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]])
+    alone_ffn = packed.packed_moe_ffn(experts, row, wts, idx, isa=isa, threads=1)
+    alone_lin = packed.packed_linear(row, lin, isa=isa, threads=1)
+    for batch, pos in ((7, 3), (64, 50)):
+        h = torch.randn(batch, hidden)
+        h[pos] = row[0]
+        indices = torch.randint(0, 8, (batch, 2))
+        indices[:, 1] = (indices[:, 0] + 1) % 8
+        weights = torch.rand(batch, 2)
+        indices[pos], weights[pos] = idx[0], wts[0]
+        ffn = packed.packed_moe_ffn(experts, h, weights, indices, isa=isa, threads=2)
+        lin_out = packed.packed_linear(h, lin, isa=isa, threads=2)
+        assert torch.equal(ffn[pos], alone_ffn[0])
+        assert torch.equal(lin_out[pos], alone_lin[0])
+
+
+def test_fma_isas_agree_bitwise():
+    fma = [isa for isa in ISAS if isa != "generic"]
+    if len(fma) < 2:
+        pytest.skip("one FMA-capable ISA build on this CPU")
+    torch.manual_seed(1)
+    _, _, experts = _experts(4, 64, 48, "bf16")
+    h, idx, wts = torch.randn(33, 64), torch.randint(0, 4, (33, 1)), torch.rand(33, 1)
+    outs = [packed.packed_moe_ffn(experts, h, wts, idx, isa=isa) for isa in fma]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_unsupported_isa_is_refused_not_run():
+    with pytest.raises(ValueError):
+        packed.packed_linear(torch.randn(1, 32), packed.pack_linear(torch.randn(32, 32), "fp32"),
+                             isa="sve")
+
+
+def test_fma_probe_measures_a_positive_rate():
+    assert packed.fma_peak_flops(seconds=0.01, threads=1) > 1e8
