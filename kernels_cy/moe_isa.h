@@ -29,6 +29,7 @@
 #define MOE_I4_GROUP 32
 
 enum moe_wdtype { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4 };
+enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
 enum moe_isa { MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_COUNT = 3 };
 
 /* A packed weight: data in the layout above, n true output columns, k inputs. */
@@ -49,9 +50,11 @@ typedef struct {
 typedef struct {
     const char *name;
     int lanes; /* fp32 lanes of one vector */
-    /* y[t, :n] = x[t, :k] @ W^T (+ bias) for t < T; x row stride ldx, y row stride ldy. */
+    /* y[t, :n] = act(x[t, :k] @ W^T (+ bias)) for t < T; x row stride ldx, y row stride ldy;
+     * act is MOE_ACT_*, applied per element in scalar code (torch's vectorized sigmoid rounds
+     * differently in a vector's tail, so a row's result would depend on its position). */
     void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
-                   float *y, int64_t ldy, int nthreads);
+                   int act, float *y, int64_t ldy, int nthreads);
     /* Routed SwiGLU experts over T tokens with top_k choices each: out[t] = sum over s < top_k
      * (in s order) of weight[t, s] * expert[idx[t, s]](x[t]). experts[e].w13.data NULL means
      * the expert is absent (its rows must not occur). work and iwork are scratch of

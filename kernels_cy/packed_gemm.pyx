@@ -12,6 +12,7 @@ cdef extern from "moe_isa.h" nogil:
     int MOE_I4_GROUP
     int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4
     int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_COUNT
+    int MOE_ACT_NONE, MOE_ACT_SIGMOID
     ctypedef struct moe_packed:
         const void *data
         const float *scale
@@ -25,7 +26,8 @@ cdef extern from "moe_isa.h" nogil:
         const char *name
         int lanes
         void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
-                       const float *bias, float *y, int64_t ldy, int nthreads) noexcept nogil
+                       const float *bias, int act, float *y, int64_t ldy,
+                       int nthreads) noexcept nogil
         int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx,
                        const float *weight, int top_k, const moe_expert *experts, int num_experts,
                        float *out, float *work, int32_t *iwork, int nthreads) noexcept nogil
@@ -40,6 +42,7 @@ NR = MOE_NR
 I4_GROUP = MOE_I4_GROUP
 W_F32, W_BF16, W_F16, W_I8, W_I4 = MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4
 ISA_GENERIC, ISA_AVX2, ISA_AVX512 = MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512
+ACTIVATIONS = {None: MOE_ACT_NONE, "sigmoid": MOE_ACT_SIGMOID}
 ISA_NAMES = {MOE_ISA_GENERIC: "generic", MOE_ISA_AVX2: "avx2", MOE_ISA_AVX512: "avx512"}
 
 
@@ -75,13 +78,15 @@ cdef moe_packed _packed(uintptr_t data, uintptr_t scale, int64_t n, int64_t k, i
 
 
 def linear(uintptr_t x, int64_t ldx, int64_t T, uintptr_t w_data, uintptr_t w_scale, int64_t n,
-           int64_t k, int dtype, uintptr_t bias, uintptr_t y, int64_t ldy, int nthreads, int isa):
-    """y[t, :n] = x[t, :k] @ W^T (+ bias), fp32 x and y, W packed; releases the GIL."""
+           int64_t k, int dtype, uintptr_t bias, int act, uintptr_t y, int64_t ldy, int nthreads,
+           int isa):
+    """y[t, :n] = act(x[t, :k] @ W^T (+ bias)), fp32 x and y, W packed; releases the GIL."""
     cdef const moe_isa_ops *ops = _ops(isa)
     cdef moe_packed w = _packed(w_data, w_scale, n, k, dtype)
     nthreads = max(nthreads, 1)
     with nogil:
-        ops.linear(<const float *>x, ldx, T, &w, <const float *>bias, <float *>y, ldy, nthreads)
+        ops.linear(<const float *>x, ldx, T, &w, <const float *>bias, act, <float *>y, ldy,
+                   nthreads)
 
 
 def work_sizes(int64_t T, int top_k, int64_t H, int64_t I, int num_experts):

@@ -233,7 +233,7 @@ static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 
     }
 
 static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
-                        const float *bias, float *y, int64_t ldy, int nthreads) {
+                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     const tile_fn tile_of = tile_for(w->dtype);
     const int64_t P = num_panels(w), chunks = (T + TC - 1) / TC, items = P * chunks;
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
@@ -250,7 +250,8 @@ static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed
                 float *dst = y + (tb + r) * ldy + p * MOE_NR;
                 for (int j = 0; j < ncol; j++) {
                     float v = cs ? tile[r][j] * cs[j] : tile[r][j];
-                    dst[j] = bias ? v + bias[p * MOE_NR + j] : v;
+                    v = bias ? v + bias[p * MOE_NR + j] : v;
+                    dst[j] = act == MOE_ACT_SIGMOID ? 1.0f / (1.0f + expf(-v)) : v;
                 }
             }
         })

@@ -46,6 +46,23 @@ class AttentionImpl(str, Enum):
     torch = "torch"
 
 
+class GemmImpl(str, Enum):
+    auto = "auto"  # the packed CPU kernels on the CPU backend when built, else torch
+    packed = "packed"
+    torch = "torch"
+
+
+class ExpertDType(str, Enum):
+    """Storage of the routed experts on the packed path (auto: the model's dtype)."""
+
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    int8 = "int8"  # per output channel
+    int4 = "int4"  # group-wise (32 inputs), Klotski's 4-bit experts
+
+
 class PolicySource(str, Enum):
     search = "search"
     config = "config"
@@ -123,6 +140,11 @@ class EngineConfig:
     max_prefill_tokens: int = 2048
     num_micro_batches: int = 2
     attention: AttentionImpl = AttentionImpl.auto
+    # Packed CPU kernels (model/packed.py): fp32 activations over weights kept in model.dtype
+    # (experts in expert_dtype), instead of torch GEMMs in model.dtype.
+    gemm: GemmImpl = GemmImpl.auto
+    expert_dtype: ExpertDType = ExpertDType.auto
+    kv_dtype: DType = DType.auto  # KV cache storage; auto = model.dtype
     policy: PolicySource = PolicySource.search
     resident_ratio: float = 1.0
     attention_on_device: bool = False
@@ -370,6 +392,18 @@ def validate(cfg: AppConfig) -> None:
            "engine.emulated_link_gbps", e.emulated_link_gbps,
            "an emulated link exists only on the cpu backend (CUDA has a real one)")
     _check(e.checkpoint_every >= 1, "engine.checkpoint_every", e.checkpoint_every, "must be >= 1")
+    _check(not (e.gemm is GemmImpl.packed and e.backend is DeviceKind.cuda), "engine.gemm",
+           e.gemm.value, "the packed kernels run on the CPU backend; use auto or torch with cuda")
+    quantized = e.expert_dtype in (ExpertDType.int8, ExpertDType.int4)
+    _check(not (quantized and (e.gemm is GemmImpl.torch or e.backend is DeviceKind.cuda)),
+           "engine.expert_dtype", e.expert_dtype.value,
+           "quantized experts run on the packed CPU kernels (engine.backend=cpu, engine.gemm "
+           "auto or packed)")
+    _check(not (quantized and (e.resident_ratio < 1.0 or e.offload_pipeline
+                               or e.emulated_link_gbps is not None)),
+           "engine.expert_dtype", e.expert_dtype.value,
+           "quantized experts are not paged yet: keep engine.resident_ratio=1 without the offload "
+           "pipeline")
 
 
 def to_yaml(cfg: AppConfig) -> str:

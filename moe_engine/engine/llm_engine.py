@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from moe_engine.config import EngineConfig
+from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.engine.block_manager import BlockAllocator
 from moe_engine.engine.calibrate import find_or_record_routing
 from moe_engine.engine.model_runner import ModelRunner
@@ -27,6 +27,7 @@ from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
 from moe_engine.engine.tokenizer import load_tokenizer
 from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, blocks_for_budget
+from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
 from moe_engine.model.spec import load_spec
 from moe_engine.offload.build import build_offload_pipeline, offload_settings
@@ -51,17 +52,26 @@ class LLMEngine:
         threads = config.threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         self.spec = load_spec(model_dir)
-        self.dtype = resolve_dtype(dtype, self.spec)
+        self.dtype = resolve_dtype(dtype, self.spec)  # the weights' storage
+        self.gemm = _gemm_impl(config)
+        act_dtype = torch.float32 if self.gemm == "packed" else self.dtype
+        kv = DType(config.kv_dtype)
+        kv_dtype = self.dtype if kv is DType.auto else resolve_dtype(kv.value, self.spec)
         tokenizer = load_tokenizer(model_dir)
         max_model_len = min(self.spec.max_position_embeddings, tokenizer.model_max_length)
         weights = load_weights(model_dir, self.spec, self.dtype)
+        if self.gemm == "packed":
+            storage = packed.storage_name(self.dtype)
+            experts = ExpertDType(config.expert_dtype)
+            self.expert_storage = storage if experts is ExpertDType.auto else experts.value
+            weights = packed.pack_model(weights, storage, self.expert_storage)
         self.weights_bytes = weights.nbytes()
-        num_blocks = blocks_for_budget(self.spec, self.dtype, config.kv_cache_gb, config.block_size)
-        cache = KVCache.allocate(self.spec, num_blocks, config.block_size, self.dtype)
+        num_blocks = blocks_for_budget(self.spec, kv_dtype, config.kv_cache_gb, config.block_size)
+        cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype)
         runner = ModelRunner(self.spec, weights, cache,
                              DecodeAttention(config.attention, threads,
                                              head_dim=self.spec.head_dim),
-                             max_model_len, self.dtype)
+                             max_model_len, act_dtype)
         eos = frozenset(tokenizer.eos_token_ids) or frozenset(self.spec.eos_token_ids)
         self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,
                         tokenizer)
@@ -119,6 +129,14 @@ class LLMEngine:
     def attention_impl(self) -> str:
         """The decode-attention path that runs ('cython' or 'torch'); see attention_path."""
         return self.runner.attention.name
+
+    @property
+    def gemm_path(self) -> str:
+        """What runs the projections and experts (for stats and benchmarks)."""
+        if getattr(self, "gemm", "torch") == "packed":
+            return (f"packed kernels, ISA {packed.ISA}, weights {packed.storage_name(self.dtype)}, "
+                    f"experts {self.expert_storage}")
+        return f"torch {str(self.dtype).replace('torch.', '')}"
 
     @property
     def attention_path(self) -> str:
@@ -297,3 +315,16 @@ class LLMEngine:
             s.offload = moved.to_dict()
             s.transfer_wait_time_s = moved.transfer_wait_time_s
             s.bytes_moved = moved.bytes_moved
+
+
+def _gemm_impl(config: EngineConfig) -> str:
+    """'packed' (the CPU kernels) or 'torch', from engine.gemm and the backend."""
+    gemm, experts = GemmImpl(config.gemm), ExpertDType(config.expert_dtype)
+    if gemm is GemmImpl.torch or DeviceKind(config.backend) is DeviceKind.cuda:
+        return "torch"
+    if not packed.HAS_PACKED_KERNELS:
+        if gemm is GemmImpl.packed or experts in (ExpertDType.int8, ExpertDType.int4):
+            raise RuntimeError("engine.gemm=packed (or quantized experts) needs the packed CPU "
+                               "kernels, which are not built (python setup.py build_ext --inplace)")
+        return "torch"
+    return "packed"

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from moe_engine.model.attention import DecodeAttention, prefill_attention
 from moe_engine.model.kv_cache import KVCache
-from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, moe_ffn,
-                                     qkv_projection, rms_norm, route)
+from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, linear,
+                                     moe_ffn, qkv_projection, rms_norm, route)
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ModelWeights
 
@@ -81,6 +80,7 @@ class ModelRunner:
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cache: KVCache,
                  attention: DecodeAttention, max_positions: int, dtype: torch.dtype):
+        """`dtype` is the activations' (the weights' own, or fp32 over packed weights)."""
         self.spec = spec
         self.weights = weights
         self.cache = cache
@@ -103,7 +103,8 @@ class ModelRunner:
         return self.lm_head(batches, acts)
 
     def embed(self, mb: MicroBatchInput) -> Activation:
-        return Activation(self.weights.embed[mb.input_ids])
+        # the activations' dtype (fp32 on the packed kernels, over a bf16 embedding say)
+        return Activation(self.weights.embed[mb.input_ids].to(self.dtype))
 
     def pre_attention(self, layer: int, mb: MicroBatchInput, act: Activation) -> None:
         """Input norm, fused QKV projection, RoPE."""
@@ -173,7 +174,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         last = torch.cat([act.x[mb.logits_indices] for mb, act in zip(batches, acts)])
         h = rms_norm(last, self.weights.final_norm, self.spec.rms_norm_eps)
-        logits = F.linear(h, self.weights.lm_head).float()
+        logits = linear(h, self.weights.lm_head).float()
         self.times.head_s += time.perf_counter() - t0
         return logits
 

@@ -12,8 +12,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from moe_engine.model.packed import PackedLinear, is_packed, packed_linear, packed_moe_ffn
 from moe_engine.model.spec import ModelSpec, RopeSpec
 from moe_engine.model.weights import DenseLayerWeights, ExpertWeights
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | PackedLinear,
+           b: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+    """activation(x @ w.T + b) (activation None or "sigmoid") on the packed CPU kernels when the
+    weight is packed, else torch's."""
+    if isinstance(w, PackedLinear):
+        return packed_linear(x, w, b, activation=activation)
+    y = F.linear(x, w, b)
+    return torch.sigmoid(y) if activation == "sigmoid" else y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,7 +95,7 @@ def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused q|k|v GEMM (+ bias), q/k norm and clipping where the spec has them, RoPE;
     returns q [T, nq, d], k and v [T, nkv, d]."""
-    qkv = F.linear(h, dense.wqkv, dense.bqkv)
+    qkv = linear(h, dense.wqkv, dense.bqkv)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     eps = spec.rms_norm_eps
     if spec.qk_norm == "projection":
@@ -103,17 +114,17 @@ def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
 
 def attention_output(dense: DenseLayerWeights, attn: torch.Tensor) -> torch.Tensor:
     """O projection (+ bias) of the attention output [T, q_size]."""
-    return F.linear(attn, dense.wo, dense.bo)
+    return linear(attn, dense.wo, dense.bo)
 
 
-def route(router: torch.Tensor, h: torch.Tensor, spec: ModelSpec
+def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts in fp32, top-k, renormalise the k weights if the spec says so.
 
     Weights stay fp32 for Mixtral; the other architectures cast them to the activations' dtype
     before scaling the expert outputs (same result in fp32).
     """
-    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    probs = torch.softmax(linear(h, router).float(), dim=-1)
     weights, experts = torch.topk(probs, spec.top_k, dim=-1)
     if spec.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -123,7 +134,11 @@ def route(router: torch.Tensor, h: torch.Tensor, spec: ModelSpec
 
 
 def swiglu(mlp: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate|up fused in one GEMM."""
+    """down(silu(gate(x)) * up(x)) with gate|up fused in one GEMM (one fused kernel call when
+    the MLP is packed)."""
+    if is_packed(mlp):
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32)
+        return packed_moe_ffn([mlp], x, ones, torch.zeros(x.shape[0], 1, dtype=torch.int64))
     gate, up = F.linear(x, mlp.w13).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, mlp.w2)
 
@@ -139,7 +154,7 @@ def ffn_output(dense: DenseLayerWeights, h: torch.Tensor,
         return swiglu(dense.mlp, h)
     if dense.shared_expert is None:
         return routed
-    gate = torch.sigmoid(F.linear(h, dense.shared_expert_gate))
+    gate = linear(h, dense.shared_expert_gate, activation="sigmoid")
     return routed + gate * swiglu(dense.shared_expert, h)
 
 
@@ -149,7 +164,11 @@ def moe_ffn(experts: list[ExpertWeights], h: torch.Tensor, weights: torch.Tensor
 
     Tokens of the step are sorted by expert once; each expert then runs on its contiguous slice,
     so the Python loop is over experts, never tokens, and the expert order is free for a pager.
+    Packed experts run in one call of the fused kernel, which does the same in C.
     """
+    present = next((x for x in experts if x is not None), None)
+    if present is not None and is_packed(present):
+        return packed_moe_ffn(experts, h, weights, indices)
     t, k = indices.shape
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)

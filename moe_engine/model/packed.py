@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from moe_engine.model.weights import ExpertWeights
+from moe_engine.model.weights import DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights
 
 try:
     from moe_engine._kernels import packed_gemm as _ext
@@ -175,6 +175,43 @@ def pack_expert(w13: torch.Tensor, w2: torch.Tensor, storage: str) -> ExpertWeig
     return ExpertWeights(p13, p2, s13=s13, s2=s2)
 
 
+def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> ModelWeights:
+    """The packed-kernel form of a loaded model: projections, dense MLPs, shared experts and
+    the LM head packed in `storage`, routed experts in `expert_storage`, the router and the
+    shared-expert gate packed in fp32 (tiny, and every GEMM of a row must run on the kernels for
+    its result not to depend on its batch), and the tensors applied element-wise (norms, biases)
+    in fp32. The embedding stays as loaded (rows are gathered, then widened). Layers are
+    converted one at a time and dropped from `weights`, so peak memory is the model plus one
+    layer."""
+    def small(t: torch.Tensor) -> torch.Tensor:
+        return t.float()
+
+    def fp32(t: Optional[torch.Tensor]) -> Optional[PackedLinear]:
+        return pack_linear(t.float(), "fp32") if t is not None else None
+
+    def mlp(x: Optional[ExpertWeights]) -> Optional[ExpertWeights]:
+        return pack_expert(x.w13, x.w2, storage) if x is not None else None
+
+    layers = []
+    for i, layer in enumerate(weights.layers):
+        d = layer.dense
+        dense = DenseLayerWeights(
+            input_norm=small(d.input_norm), post_norm=small(d.post_norm),
+            wqkv=pack_linear(d.wqkv, storage), wo=pack_linear(d.wo, storage),
+            router=fp32(d.router),
+            bqkv=small(d.bqkv) if d.bqkv is not None else None,
+            bo=small(d.bo) if d.bo is not None else None,
+            q_norm=small(d.q_norm) if d.q_norm is not None else None,
+            k_norm=small(d.k_norm) if d.k_norm is not None else None,
+            mlp=mlp(d.mlp), shared_expert=mlp(d.shared_expert),
+            shared_expert_gate=fp32(d.shared_expert_gate))
+        layers.append(LayerWeights(dense, [pack_expert(x.w13, x.w2, expert_storage)
+                                           for x in layer.experts]))
+        weights.layers[i] = None  # the unpacked layer can go now
+    return ModelWeights(embed=weights.embed, final_norm=small(weights.final_norm),
+                        lm_head=pack_linear(weights.lm_head, storage), layers=layers)
+
+
 def is_packed(expert: ExpertWeights) -> bool:
     return expert.w13.dim() == 3
 
@@ -215,8 +252,10 @@ def _as_fp32_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, w: PackedLinear, bias: Optional[torch.Tensor] = None, *,
-                  isa: Optional[str] = None, threads: Optional[int] = None) -> torch.Tensor:
-    """x [..., k] fp32 @ W.T (+ bias) -> [..., n] fp32."""
+                  activation: Optional[str] = None, isa: Optional[str] = None,
+                  threads: Optional[int] = None) -> torch.Tensor:
+    """activation(x [..., k] fp32 @ W.T (+ bias)) -> [..., n] fp32; activation None or
+    "sigmoid" (computed per element in the kernel, so it does not depend on the batch)."""
     _require_kernels()
     if x.shape[-1] != w.k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight takes {w.k}")
@@ -227,9 +266,12 @@ def packed_linear(x: torch.Tensor, w: PackedLinear, bias: Optional[torch.Tensor]
     y = torch.empty(x2.shape[0], w.n, dtype=torch.float32)
     if bias is not None:
         bias = bias.float().contiguous()
+    if activation not in _ext.ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of "
+                         f"{sorted(a for a in _ext.ACTIVATIONS if a)} or None")
     _ext.linear(x2.data_ptr(), x2.stride(0), x2.shape[0], w.data.data_ptr(), _ptr(w.scale), w.n,
-                w.k, _CODES[w.storage], _ptr(bias), y.data_ptr(), w.n, _threads(threads),
-                _isa_code(isa))
+                w.k, _CODES[w.storage], _ptr(bias), _ext.ACTIVATIONS[activation], y.data_ptr(),
+                w.n, _threads(threads), _isa_code(isa))
     return y.reshape(*lead, w.n)
 
 

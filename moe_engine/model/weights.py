@@ -47,6 +47,7 @@ class DenseLayerWeights:
     wqkv: torch.Tensor  # [q_size + 2*kv_size, H]
     wo: torch.Tensor  # [H, q_size]
     router: Optional[torch.Tensor] = None  # [E, H]; None in a dense layer
+    # On the packed CPU kernels wqkv, wo, router and shared_expert_gate are PackedLinear.
     bqkv: Optional[torch.Tensor] = None  # [q_size + 2*kv_size]
     bo: Optional[torch.Tensor] = None  # [H]
     q_norm: Optional[torch.Tensor] = None  # [head_dim] or [q_size], see ModelSpec.qk_norm
@@ -96,10 +97,16 @@ class LayerWeights:
 class ModelWeights:
     embed: torch.Tensor  # [V, H]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied (or a PackedLinear)
     layers: list[LayerWeights]
 
+    @property
+    def head_tied(self) -> bool:
+        """Whether the LM head is the embedding tensor itself (a packed head is a copy)."""
+        return isinstance(self.lm_head, torch.Tensor) and \
+            self.lm_head.data_ptr() == self.embed.data_ptr()
+
     def nbytes(self) -> int:
-        head = 0 if self.lm_head.data_ptr() == self.embed.data_ptr() else self.lm_head.nbytes
+        head = 0 if self.head_tied else self.lm_head.nbytes
         return (self.embed.nbytes + self.final_norm.nbytes + head
                 + sum(layer.nbytes() for layer in self.layers))

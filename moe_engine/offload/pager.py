@@ -126,8 +126,7 @@ class WeightPager:
         """Fail before allocating anything when the layout cannot fit the budget."""
         if self.ledger.budget_bytes is None:
             return
-        tied = weights.lm_head.data_ptr() == weights.embed.data_ptr()
-        head = 0 if tied else weights.lm_head.nbytes
+        head = 0 if weights.head_tied else weights.lm_head.nbytes
         need = (weights.embed.nbytes + head + weights.final_norm.nbytes
                 + sum(layer.dense.nbytes() for layer in weights.layers)
                 + sum(len(r) for r in self.resident) * self.expert_bytes
@@ -144,8 +143,12 @@ class WeightPager:
 
     def _place_resident(self, weights: ModelWeights) -> ModelWeights:
         embed = self._to_device(weights.embed, "embeddings")
-        tied = weights.lm_head.data_ptr() == weights.embed.data_ptr()
-        lm_head = embed if tied else self._to_device(weights.lm_head, "lm_head")
+        if weights.head_tied:
+            lm_head = embed
+        elif isinstance(weights.lm_head, torch.Tensor):
+            lm_head = self._to_device(weights.lm_head, "lm_head")
+        else:  # packed for the CPU kernels
+            lm_head = weights.lm_head.map(lambda t: self._to_device(t, "lm_head"))
         layers = []
         for i, layer in enumerate(weights.layers):
             dense = layer.dense.map(lambda t, i=i: self._to_device(t, f"layer {i} dense"))

@@ -129,16 +129,19 @@ def measure_expert_profile(backend, w13: torch.Tensor, w2: torch.Tensor,
     silicon never pays), instead of flipping on timing noise between two measurements.
     """
     from moe_engine.model.layers import moe_ffn
+    from moe_engine.model.packed import is_packed
     from moe_engine.model.weights import ExpertWeights
 
     host = ExpertWeights(w13.contiguous(), w2.contiguous())
+    # Packed experts (the CPU kernels) take fp32 activations whatever their storage.
+    act_dtype = torch.float32 if is_packed(host) else host.w13.dtype
     same_silicon = backend.name == "cpu"
     dev = host if same_silicon else ExpertWeights(backend.to_device(host.w13),
                                                   backend.to_device(host.w2))
     hidden = host.w13.shape[1]
     cpu_s, dev_s = [], []
     for n in token_counts:
-        x = torch.randn(n, hidden, dtype=host.w13.dtype)
+        x = torch.randn(n, hidden, dtype=act_dtype)
         weights = torch.ones(n, 1)
         idx = torch.zeros(n, 1, dtype=torch.int64)
         with torch.inference_mode():
