@@ -392,10 +392,11 @@ def validate(cfg: AppConfig) -> None:
            "engine.emulated_link_gbps", e.emulated_link_gbps,
            "an emulated link exists only on the cpu backend (CUDA has a real one)")
     _check(e.checkpoint_every >= 1, "engine.checkpoint_every", e.checkpoint_every, "must be >= 1")
-    _check(not (e.gemm is GemmImpl.packed and e.backend is DeviceKind.cuda), "engine.gemm",
+    on_cpu = e.backend is DeviceKind.cpu
+    _check(not (e.gemm is GemmImpl.packed and not on_cpu), "engine.gemm",
            e.gemm.value, "the packed kernels run on the CPU backend; use auto or torch with cuda")
     quantized = e.expert_dtype in (ExpertDType.int8, ExpertDType.int4)
-    _check(not (quantized and (e.gemm is GemmImpl.torch or e.backend is DeviceKind.cuda)),
+    _check(not (quantized and (e.gemm is GemmImpl.torch or not on_cpu)),
            "engine.expert_dtype", e.expert_dtype.value,
            "quantized experts run on the packed CPU kernels (engine.backend=cpu, engine.gemm "
            "auto or packed)")

@@ -320,7 +320,7 @@ class LLMEngine:
 def _gemm_impl(config: EngineConfig) -> str:
     """'packed' (the CPU kernels) or 'torch', from engine.gemm and the backend."""
     gemm, experts = GemmImpl(config.gemm), ExpertDType(config.expert_dtype)
-    if gemm is GemmImpl.torch or DeviceKind(config.backend) is DeviceKind.cuda:
+    if gemm is GemmImpl.torch or DeviceKind(config.backend) is not DeviceKind.cpu:
         return "torch"
     if not packed.HAS_PACKED_KERNELS:
         if gemm is GemmImpl.packed or experts in (ExpertDType.int8, ExpertDType.int4):

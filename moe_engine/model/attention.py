@@ -9,12 +9,12 @@ block * block_size + offset (negative slots are padding and skipped).
 """
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from moe_engine.model.kernel_import import import_kernel
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -135,18 +135,4 @@ class DecodeAttention:
 
 
 def _load_kernels():
-    # The extension links its own libgomp beside torch's: two OpenMP pools on the same cores.
-    # Its pool must sleep, not spin, between calls, or its idle threads starve torch's GEMM
-    # threads (measured: a 20-70x slower step). libgomp reads OMP_WAIT_POLICY when it loads, so
-    # set it for that load only; torch's runtime is already initialised and keeps its policy.
-    key = "OMP_WAIT_POLICY"
-    previous = os.environ.get(key)
-    if previous is None:
-        os.environ[key] = "PASSIVE"
-    try:
-        return importlib.import_module("moe_engine.model.paged_attention")
-    except ImportError:
-        return None
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)
+    return import_kernel("moe_engine.model.paged_attention")

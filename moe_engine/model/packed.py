@@ -22,12 +22,11 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_engine.model.kernel_import import import_kernel
 from moe_engine.model.weights import DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights
 
-try:
-    from moe_engine._kernels import packed_gemm as _ext
-except ImportError:  # not built: the engine keeps torch's GEMMs
-    _ext = None
+# None when not built: the engine keeps torch's GEMMs
+_ext = import_kernel("moe_engine._kernels.packed_gemm")
 
 HAS_PACKED_KERNELS: bool = _ext is not None
 NR = 32  # output columns per panel (moe_isa.h MOE_NR)

@@ -20,10 +20,10 @@ import torch
 
 from typing import Optional
 
-try:
-    from moe_engine._kernels import paged_attention as _ext
-except ImportError:  # not built: DecodeAttention takes the torch reference
-    _ext = None
+from moe_engine.model.kernel_import import import_kernel
+
+# None when not built: DecodeAttention takes the torch reference
+_ext = import_kernel("moe_engine._kernels.paged_attention")
 
 HAS_CYTHON_KERNELS: bool = _ext is not None
 HAS_OPENMP: bool = bool(_ext is not None and _ext.OPENMP_ENABLED)
