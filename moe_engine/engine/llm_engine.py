@@ -132,8 +132,11 @@ class LLMEngine:
 
     @property
     def gemm_path(self) -> str:
-        """What runs the projections and experts (for stats and benchmarks)."""
-        if getattr(self, "gemm", "torch") == "packed":
+        """What runs the projections and experts (for stats and benchmarks); empty for a runner
+        given to `around`."""
+        if self.spec is None:
+            return ""
+        if self.gemm == "packed":
             return (f"packed kernels, ISA {packed.ISA}, weights {packed.storage_name(self.dtype)}, "
                     f"experts {self.expert_storage}")
         return f"torch {str(self.dtype).replace('torch.', '')}"
@@ -149,7 +152,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs,
                                    self.config.max_prefill_tokens, self.config.num_micro_batches)
         self.stats = EngineStats(kv_blocks_total=self.allocator.num_blocks,
-                                 kv_block_size=self.allocator.block_size)
+                                 kv_block_size=self.allocator.block_size,
+                                 gemm_path=self.gemm_path,
+                                 attention_path=self.attention_path if self.spec else "")
         self.runner.times = type(self.runner.times)()
         offload_before = replace(self.offload.totals) if self.offload is not None else None
         start = time.perf_counter()

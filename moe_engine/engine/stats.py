@@ -36,6 +36,9 @@ class EngineStats:
     bytes_moved: int = 0  # weight bytes that crossed the host->device link
     # Offload pipeline totals of this call (OffloadStats.to_dict()); empty on the plain runner.
     offload: dict = field(default_factory=dict)
+    # What ran: the GEMM path (packed kernels and their ISA, or torch) and decode attention.
+    gemm_path: str = ""
+    attention_path: str = ""
     timeline: list[tuple[float, int]] = field(default_factory=list)
     max_timeline_points: int = 512
     _timeline_stride: int = 1

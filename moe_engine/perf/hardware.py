@@ -23,6 +23,7 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 # The compiled decode-attention kernel that model/paged_attention imports when it is built.
 CYTHON_KERNEL_DIR = Path(__file__).resolve().parents[1] / "_kernels"
 CYTHON_KERNEL_NAME = "paged_attention"
+PACKED_KERNEL_NAME = "packed_gemm"
 # Engine-loop figures a profile must carry (profiles from before they existed lack them).
 HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us")
 
@@ -94,14 +95,21 @@ def machine_fingerprint() -> str:
     except importlib.metadata.PackageNotFoundError:
         parts.append("no-torch")
     parts.append(f"cython={cython_kernel_built()}")
+    # GEMM rates are measured on the packed kernels when they are built (the engine's default)
+    parts.append(f"packed={kernel_built(PACKED_KERNEL_NAME)}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
-def cython_kernel_built() -> bool:
-    """Whether the compiled attention kernel exists, looked up as a file: find_spec would import
+def kernel_built(name: str) -> bool:
+    """Whether a compiled kernel extension exists, looked up as a file: find_spec would import
     its package, and the performance model imports no kernel code."""
-    return any((CYTHON_KERNEL_DIR / f"{CYTHON_KERNEL_NAME}{suffix}").exists()
+    return any((CYTHON_KERNEL_DIR / f"{name}{suffix}").exists()
                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def cython_kernel_built() -> bool:
+    """Whether the compiled attention kernel exists."""
+    return kernel_built(CYTHON_KERNEL_NAME)
 
 
 def gpu_name() -> str:

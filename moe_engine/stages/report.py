@@ -93,6 +93,8 @@ def summarize(merged: pl.DataFrame, shards: list[ShardSummary], policy: dict | N
         "bottleneck": (policy or {}).get("bottleneck"),
         "policy": (policy or {}).get("policy"),
         "preemptions": sum(int(s.engine.get("preemptions", 0)) for s in shards),
+        "kernels": sorted({f"GEMM: {s.engine['gemm_path']}; attention: {s.engine['attention_path']}"
+                           for s in shards if s.engine.get("gemm_path")}),
         "shards": [{"shard": s.shard, "rows": s.rows, "generated_rows": s.generated_rows,
                     "resumed_rows": s.resumed_rows, "completion_tokens": s.completion_tokens,
                     "wall_time_s": s.wall_time_s, "tok_s": s.tokens_per_s,
@@ -240,7 +242,8 @@ def _markdown(summary: dict, plots: dict[str, Path], base: Path) -> str:
         "the engine throughput)" if pred else "- predicted throughput: n/a (no policy prediction)",
         f"- bottleneck named by the performance model: {summary['bottleneck'] or 'n/a'}",
         f"- policy: `{json.dumps(summary['policy'])}`" if summary["policy"] else "- policy: from config",
-        f"- preemptions: {summary['preemptions']}", "",
+        f"- preemptions: {summary['preemptions']}",
+        f"- kernels: {' | '.join(summary['kernels']) or 'n/a'}", "",
         "## Shards", "",
         "| shard | rows | generated | resumed | tokens | time (s) | tok/s | KV high-water / total | preemptions |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -1,7 +1,8 @@
 """Hardware profiler: measures this machine and writes a profile YAML the policy search reads.
 
-Measured: GEMM time for the model's own weight shapes at several token counts (the roofline with
-peak figures is 2-4x off for skinny decode GEMMs on a CPU), the decode-attention kernel's KV
+Measured: GEMM time for the model's own weight shapes at several token counts, on the GEMM the
+engine runs (the packed CPU kernels when built; the roofline with peak figures is 2-4x off for
+skinny decode GEMMs on a CPU), the decode-attention kernel's KV
 streaming rate (the issue-3 Cython kernel when built, else the torch fallback; the YAML says
 which), memory read and copy bandwidth, the launch overhead of a small operator, and on CUDA the
 pinned host-to-device bandwidth and device GEMM rates. The VM is noisy, so each figure is the
@@ -67,12 +68,17 @@ def _torch_dtype(dtype_bytes: int):
 
 def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[int, ...], fast: bool,
                   device: str = "cpu") -> list[dict[str, Any]]:
-    """Achieved GFLOP/s of F.linear per (shape, token count) in the model's dtype. Token counts
-    stop growing for a shape once one call takes over 0.25 s (the time model extrapolates the
-    affine tail), which keeps LM-head-sized shapes from eating the time budget."""
+    """Achieved GFLOP/s per (shape, token count) of the GEMM the engine runs there: on the CPU
+    the packed kernels (fp32 activations over weights stored in the model's dtype) when they
+    are built, as the engine's default; else, and on CUDA, torch's F.linear in the model's
+    dtype. Token counts stop growing for a shape once one call takes over 0.25 s (the time model
+    extrapolates the affine tail), which keeps LM-head-sized shapes from eating the time budget."""
     import torch
     import torch.nn.functional as F
 
+    from moe_engine.model import packed
+
+    use_packed = device == "cpu" and packed.HAS_PACKED_KERNELS
     dt = _torch_dtype(dtype_bytes) if device == "cpu" else torch.float16 if dtype_bytes == 2 else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
@@ -84,15 +90,22 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
         wbytes = inp * out * dtype_bytes
         copies = max(1, min(256, math.ceil(2 * llc / wbytes), int(1.5e9 // wbytes)))
         base = torch.randn(out, inp, dtype=dt, device=device) * 0.02
-        ws = [base] + [base.clone() for _ in range(copies - 1)]
+        if use_packed:
+            storage = packed.storage_name(dt)
+            ws = [packed.pack_linear(base, storage) for _ in range(copies)]
+        else:
+            ws = [base] + [base.clone() for _ in range(copies - 1)]
         turn = [0]
 
         def call() -> None:
             turn[0] = (turn[0] + 1) % copies
-            F.linear(x, ws[turn[0]])
+            if use_packed:
+                packed.packed_linear(x, ws[turn[0]])
+            else:
+                F.linear(x, ws[turn[0]])
 
         for n in tokens:
-            x = torch.randn(n, inp, dtype=dt, device=device)
+            x = torch.randn(n, inp, dtype=torch.float32 if use_packed else dt, device=device)
             sec = _median_time(call, 0.01 if fast else 0.04, 3 if fast else 5, sync)
             rows.append({"inp": inp, "out": out, "tokens": n, "dtype_bytes": dtype_bytes,
                          "gflops": round(2.0 * n * inp * out / sec / 1e9, 3)})
@@ -302,6 +315,7 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         "host_token_us": round(host["host_token_s"] * 1e6, 4),
         "cpu_attention_gbps": round(att_rate / GB, 2) if att_rate else None,
         "attention_kernel": attention[0][1] if attention else None,
+        "gemm_impl": _gemm_impl(),
         "gemm": cpu_rows, "cpu_gemm": [],
     }
     if torch.cuda.is_available():
@@ -313,6 +327,13 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         data["cpu_gemm"], data["gemm"] = cpu_rows, cuda["gemm"]
     data["profile_seconds"] = round(time.perf_counter() - t_start, 2)
     return data
+
+
+def _gemm_impl() -> str:
+    """What measure_gemms timed on the CPU, for the profile's reader."""
+    from moe_engine.model import packed
+
+    return f"packed {packed.ISA}" if packed.HAS_PACKED_KERNELS else "torch"
 
 
 def write_profile(data: dict[str, Any], path: Path | str) -> Path:
