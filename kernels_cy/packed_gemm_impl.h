@@ -87,6 +87,32 @@ static inline vf cvt_f16(const void *p) {
 #endif
 }
 
+/* VW signed (int8) or unsigned (int4 byte pairs) bytes widened to int32 lanes: one vpmovsxbd /
+ * vpmovzxbd where the build has it (GCC scalarizes __builtin_convertvector of byte vectors). */
+static inline vi widen_i8(const void *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vb q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, vi);
+#endif
+}
+
+static inline vi widen_u8(const void *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vub q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, vi);
+#endif
+}
+
 /* Bytes of one k-row (32 columns) per weight dtype. */
 static inline int64_t krow_bytes(int dt) {
     return dt == MOE_W_F32 ? 128 : dt == MOE_W_I8 ? 32 : dt == MOE_W_I4 ? 16 : 64;
@@ -108,15 +134,10 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
         *a = cvt_f16(row + s * VW * 2);
         *b = cvt_f16(row + (16 + s * VW) * 2);
     } else if (dt == MOE_W_I8) {
-        vb qa, qb;
-        memcpy(&qa, row + s * VW, sizeof qa);
-        memcpy(&qb, row + 16 + s * VW, sizeof qb);
-        *a = __builtin_convertvector(__builtin_convertvector(qa, vi), vf);
-        *b = __builtin_convertvector(__builtin_convertvector(qb, vi), vf);
+        *a = __builtin_convertvector(widen_i8(row + s * VW), vf);
+        *b = __builtin_convertvector(widen_i8(row + 16 + s * VW), vf);
     } else { /* MOE_W_I4: byte i holds column i (low nibble) and 16+i (high nibble) */
-        vub q;
-        memcpy(&q, row + s * VW, sizeof q);
-        vi w = __builtin_convertvector(q, vi);
+        vi w = widen_u8(row + s * VW);
         *a = __builtin_convertvector(w & 15, vf);
         *b = __builtin_convertvector(w >> 4, vf);
     }
