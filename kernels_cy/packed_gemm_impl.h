@@ -179,22 +179,102 @@ static inline __attribute__((always_inline)) void micro_kernel(
     }
 }
 
-/* tile[r][c] for M rows and the panel's 32 columns (all passes). */
-static inline __attribute__((always_inline)) void tile_m(const int dt, const int M, const float *x,
-                                                        int64_t ldx, int64_t K, const char *panel,
-                                                        const float *gscale, float tile[][MOE_NR]) {
-    for (int s = 0; s < NPASS; s++) {
-        vf acc[M][2];
-        micro_kernel(dt, M, x, ldx, K, panel, gscale, s, acc);
-        for (int r = 0; r < M; r++) {
-            memcpy(&tile[r][s * VW], &acc[r][0], sizeof(vf));
-            memcpy(&tile[r][16 + s * VW], &acc[r][1], sizeof(vf));
+/* exp(x) for every lane, each lane computed alone (so a value does not depend on its lane or
+ * its neighbours): Cephes-style range reduction x = n*ln2 + r, a degree-7 polynomial for e^r
+ * (relative error ~1e-7), 2^n built in the exponent bits; x clamped to [-87, 88]. */
+static inline vf vexp(vf x) {
+    const vf lo = bcast(-87.0f), hi = bcast(88.0f);
+    x = (vf)(((vi)(x < lo) & (vi)lo) | (~(vi)(x < lo) & (vi)x));
+    x = (vf)(((vi)(x > hi) & (vi)hi) | (~(vi)(x > hi) & (vi)x));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
+
+static inline vf vsigmoid(vf v) { return 1.0f / (1.0f + vexp(-v)); }
+
+/* What a register tile becomes (applied per pass on the accumulators, vectorized). Column
+ * indices are the panel's (0..31); `ncol` of them are real (the last panel may be partial). */
+enum { EPI_LINEAR, EPI_SWIGLU, EPI_SCATTER };
+typedef struct {
+    int mode;
+    int ncol;              /* LINEAR/SCATTER: valid of 32 columns; SWIGLU: valid of 16 outputs */
+    const float *cscale;   /* int8 per-column scales of the panel [32], else NULL */
+    const float *bias;     /* LINEAR: bias of the panel, padded to 32 columns, else NULL */
+    int act;               /* LINEAR: MOE_ACT_* */
+    float *out;            /* row 0's first output of the panel */
+    int64_t ldo;           /* output row stride */
+    const int32_t *rows;   /* SCATTER: output row of each tile row */
+    const float *weight;   /* SCATTER: routing weight by output row */
+} epilogue;
+
+static inline vf ldpad(const float *p, int c) { return p ? ldf(p + c) : bcast(1.0f); }
+
+/* Store lanes [0, VW) of v to dst[c0..] where c0 + lane < ncol. */
+static inline void store_cols(float *dst, int c0, vf v, int ncol) {
+    if (c0 + VW <= ncol) {
+        memcpy(dst + c0, &v, sizeof v);
+    } else if (c0 < ncol) {
+        float t[VW];
+        memcpy(t, &v, sizeof v);
+        memcpy(dst + c0, t, sizeof(float) * (size_t)(ncol - c0));
+    }
+}
+
+static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf acc[][2], int s,
+                                                                const epilogue *ep, int row0) {
+    const int ca = s * VW, cb = 16 + s * VW; /* panel columns of acc[r][0] and acc[r][1] */
+    const vf sa = ldpad(ep->cscale, ca), sb = ldpad(ep->cscale, cb);
+    for (int r = 0; r < M; r++) {
+        vf a = ep->cscale ? acc[r][0] * sa : acc[r][0];
+        vf b = ep->cscale ? acc[r][1] * sb : acc[r][1];
+        if (ep->mode == EPI_SWIGLU) { /* a = gate, b = up of the same outputs ca.. */
+            store_cols(ep->out + (int64_t)(row0 + r) * ep->ldo, ca, a / (1.0f + vexp(-a)) * b,
+                       ep->ncol);
+        } else if (ep->mode == EPI_SCATTER) {
+            const int32_t row = ep->rows[row0 + r];
+            const vf w = bcast(ep->weight[row]);
+            float *dst = ep->out + (int64_t)row * ep->ldo;
+            store_cols(dst, ca, a * w, ep->ncol);
+            store_cols(dst, cb, b * w, ep->ncol);
+        } else {
+            if (ep->bias) {
+                a = a + ldf(ep->bias + ca);
+                b = b + ldf(ep->bias + cb);
+            }
+            if (ep->act == MOE_ACT_SIGMOID) {
+                a = vsigmoid(a);
+                b = vsigmoid(b);
+            }
+            float *dst = ep->out + (int64_t)(row0 + r) * ep->ldo;
+            store_cols(dst, ca, a, ep->ncol);
+            store_cols(dst, cb, b, ep->ncol);
         }
     }
 }
 
+/* M rows against a panel, all passes, each pass's accumulators through the epilogue. */
+static inline __attribute__((always_inline)) void tile_m(const int dt, const int M, const float *x,
+                                                        int64_t ldx, int64_t K, const char *panel,
+                                                        const float *gscale, const epilogue *ep,
+                                                        int row0) {
+    for (int s = 0; s < NPASS; s++) {
+        vf acc[M][2];
+        micro_kernel(dt, M, x, ldx, K, panel, gscale, s, acc);
+        apply_epilogue(M, acc, s, ep, row0);
+    }
+}
+
 #define MOE_TILE_CASE(DT, M) \
-    case M: tile_m(DT, M, x, ldx, K, panel, gscale, tile); return;
+    case M: tile_m(DT, M, x, ldx, K, panel, gscale, ep, row0); return;
 #if MR == 8
 #define MOE_TILE_CASES(DT) MOE_TILE_CASE(DT, 1) MOE_TILE_CASE(DT, 2) MOE_TILE_CASE(DT, 3) \
     MOE_TILE_CASE(DT, 4) MOE_TILE_CASE(DT, 5) MOE_TILE_CASE(DT, 6) MOE_TILE_CASE(DT, 7) \
@@ -207,7 +287,7 @@ static inline __attribute__((always_inline)) void tile_m(const int dt, const int
 #endif
 #define MOE_TILE_FN(NAME, DT)                                                                   \
     static void NAME(int m, const float *x, int64_t ldx, int64_t K, const char *panel,          \
-                     const float *gscale, float tile[][MOE_NR]) {                               \
+                     const float *gscale, const epilogue *ep, int row0) {                       \
         switch (m) { MOE_TILE_CASES(DT) }                                                       \
     }
 MOE_TILE_FN(tile_f32, MOE_W_F32)
@@ -217,7 +297,7 @@ MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
 
 typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const float *,
-                        float (*)[MOE_NR]);
+                        const epilogue *, int);
 
 static tile_fn tile_for(int dt) {
     switch (dt) {
@@ -245,13 +325,14 @@ static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
 
 static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
 
-/* Rows [t0, t1) of x against panel p, each MR-row tile handed to the epilogue. */
-#define MOE_FOR_TILES(t0, t1, BODY)                                                            \
-    for (int64_t tb = (t0); tb < (t1); tb += MR) {                                              \
-        const int m = (int)((t1) - tb < MR ? (t1) - tb : MR);                                   \
-        float tile[MR][MOE_NR];                                                                 \
-        BODY                                                                                    \
-    }
+/* Rows [t0, t1) of an item against one panel, MR rows at a time. */
+static inline void run_tiles(tile_fn tile_of, const float *x, int64_t ldx, int64_t K,
+                             const char *panel, const float *gscale, const epilogue *ep,
+                             int64_t t0, int64_t t1) {
+    for (int64_t tb = t0; tb < t1; tb += MR)
+        tile_of((int)(t1 - tb < MR ? t1 - tb : MR), x + tb * ldx, ldx, K, panel, gscale, ep,
+                (int)tb);
+}
 
 static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                         const float *bias, int act, float *y, int64_t ldy, int nthreads) {
@@ -262,27 +343,18 @@ static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it % P, c = it / P;
         const int64_t t1 = (c + 1) * TC < T ? (c + 1) * TC : T;
-        const char *panel = panel_ptr(w, p);
-        const float *gs = panel_gscale(w, p), *cs = panel_cscale(w, p);
         const int ncol = (int)(w->n - p * MOE_NR < MOE_NR ? w->n - p * MOE_NR : MOE_NR);
-        MOE_FOR_TILES(c * TC, t1, {
-            tile_of(m, x + tb * ldx, ldx, w->k, panel, gs, tile);
-            for (int r = 0; r < m; r++) {
-                float *dst = y + (tb + r) * ldy + p * MOE_NR;
-                for (int j = 0; j < ncol; j++) {
-                    float v = cs ? tile[r][j] * cs[j] : tile[r][j];
-                    v = bias ? v + bias[p * MOE_NR + j] : v;
-                    dst[j] = act == MOE_ACT_SIGMOID ? 1.0f / (1.0f + expf(-v)) : v;
-                }
-            }
-        })
+        float padded_bias[MOE_NR] = {0};
+        if (bias) memcpy(padded_bias, bias + p * MOE_NR, sizeof(float) * (size_t)ncol);
+        const epilogue ep = {.mode = EPI_LINEAR, .ncol = ncol, .cscale = panel_cscale(w, p),
+                             .bias = bias ? padded_bias : NULL, .act = act,
+                             .out = y + p * MOE_NR, .ldo = ldy};
+        run_tiles(tile_of, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC, t1);
     }
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
-
-/* The SwiGLU experts (see moe_isa_ops.moe_ffn). Returns 0, or -1 when an index names an expert
- * that is out of range or absent. */
+/* The SwiGLU experts (see moe_isa_ops.moe_ffn). Returns 0, -1 when an index names an expert
+ * that is out of range or absent, -2 when out of memory. */
 static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx,
                         const float *weight, int top_k, const moe_expert *experts, int E,
                         float *out, float *work, int32_t *iwork, int nthreads) {
@@ -326,19 +398,11 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
                 const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
-                const float *gs = panel_gscale(w, p), *cs = panel_cscale(w, p);
-                const int ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16);
-                MOE_FOR_TILES(c * TC, t1, {
-                    tile_of(m, xe + tb * H, H, H, panel_ptr(w, p), gs, tile);
-                    for (int r = 0; r < m; r++) {
-                        float *dst = ae + (tb + r) * I + p * 16;
-                        for (int j = 0; j < ncol; j++) {
-                            float g = cs ? tile[r][j] * cs[j] : tile[r][j];
-                            float u = cs ? tile[r][16 + j] * cs[16 + j] : tile[r][16 + j];
-                            dst[j] = silu(g) * u;
-                        }
-                    }
-                })
+                const epilogue ep = {.mode = EPI_SWIGLU,
+                                     .ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16),
+                                     .cscale = panel_cscale(w, p), .out = ae + p * 16, .ldo = I};
+                run_tiles(tile_of, xe, H, H, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
+                          t1);
             }
         }
 #pragma omp barrier
@@ -350,23 +414,16 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             const tile_fn tile_of = tile_for(w->dtype);
             const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
             const float *ae = act + (int64_t)offset[e] * I;
-            const int32_t *ids = by_expert + offset[e];
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
                 const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
-                const float *gs = panel_gscale(w, p), *cs = panel_cscale(w, p);
-                const int ncol = (int)(H - p * MOE_NR < MOE_NR ? H - p * MOE_NR : MOE_NR);
-                MOE_FOR_TILES(c * TC, t1, {
-                    tile_of(m, ae + tb * I, I, I, panel_ptr(w, p), gs, tile);
-                    for (int r = 0; r < m; r++) {
-                        const int32_t row = ids[tb + r];
-                        const float rw = weight[row];
-                        float *dst = slots + (int64_t)row * H + p * MOE_NR;
-                        for (int j = 0; j < ncol; j++)
-                            dst[j] = (cs ? tile[r][j] * cs[j] : tile[r][j]) * rw;
-                    }
-                })
+                const epilogue ep = {.mode = EPI_SCATTER,
+                                     .ncol = (int)(H - p * MOE_NR < MOE_NR ? H - p * MOE_NR : MOE_NR),
+                                     .cscale = panel_cscale(w, p), .out = slots + p * MOE_NR,
+                                     .ldo = H, .rows = by_expert + offset[e], .weight = weight};
+                run_tiles(tile_of, ae, I, I, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
+                          t1);
             }
         }
 #pragma omp barrier
