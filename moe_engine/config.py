@@ -258,6 +258,7 @@ def compose(overrides: str | list[str] | None = None, config_dir: Path | str | N
     assert isinstance(app, AppConfig)
     validate(app)
     check_model_files(app)
+    check_model_fields(app)
     check_kv_budget(app)
     return app
 
@@ -280,6 +281,24 @@ def check_model_files(cfg: AppConfig) -> None:
                "only and never unpickles: convert the checkpoint to safetensors"
                if pickles else "the directory has no *.safetensors weights")
         _check(False, "model.path", m.path, why)
+
+
+def check_model_fields(cfg: AppConfig) -> None:
+    """A checkpoint whose config.json sets a field the engine does not compute (a sliding
+    window shorter than the context, another activation, an unsupported RoPE type...) is refused
+    when the workflow composes, before shard and policy run. Torch-free."""
+    m = cfg.model
+    if m.builtin is not None:
+        return
+    from moe_engine.model.config_audit import UnhonouredFieldError
+    from moe_engine.model.spec import ModelSpec, UnsupportedModelError
+
+    try:
+        ModelSpec.from_hf_config(Path(m.path))
+    except UnhonouredFieldError as exc:
+        _check(False, "model.path", m.path, str(exc))
+    except (UnsupportedModelError, KeyError, ValueError):
+        return  # anything else is named when the engine loads
 
 
 def check_kv_budget(cfg: AppConfig) -> None:
