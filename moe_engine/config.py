@@ -149,9 +149,14 @@ class AppConfig:
 
     @property
     def model_dir(self) -> Path:
-        """Where the checkpoint lives: resources/models/<preset> for built-ins, else model.path."""
+        """Where the checkpoint lives: for a built-in, resources/models/<preset>-seed<seed>-<hash
+        of its definition> (shared by every results dir, see presets.builtin_model_key); else
+        model.path."""
         if self.model.builtin is not None:
-            return Path(self.resources_dir) / "models" / self.model.builtin
+            from moe_engine.tools.presets import builtin_model_key
+
+            m = self.model
+            return Path(self.resources_dir) / "models" / builtin_model_key(m.builtin, m.seed, m.num_shards)
         return Path(self.model.path)
 
 

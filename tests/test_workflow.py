@@ -179,3 +179,24 @@ def test_openai_batch_round_trip_in_results_dir_with_spaces(tmp_path):
     assert benchmarks == {"prepare_model.tsv", "shard.tsv", "policy.tsv", "generate/0.tsv",
                           "merge.tsv", "report.tsv"}
     assert (results / "summary.json").exists() and (results / "plots" / "throughput.png").exists()
+
+
+def test_results_dirs_share_the_built_model_without_rebuilding(tmp_path, corpus):
+    def run(results: str) -> subprocess.CompletedProcess:
+        return run_snakemake(tmp_path, _overrides(corpus, "workload.limit=4", f"results_dir={results}"))
+
+    def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [folder, *folder.iterdir()]}
+
+    run("run-a")
+    [model] = (tmp_path / "resources" / "models").iterdir()
+    assert model.name.startswith("tiny-mixtral-seed0-")
+    before = snapshot(model)
+    run("run-b")
+    assert snapshot(model) == before  # same folder, same files: nothing rebuilt
+    assert not (tmp_path / "run-b" / "logs" / "prepare_model.log").exists()
+    assert (tmp_path / "run-b" / "generations.parquet").exists()
+    assert sorted(p.name for p in (tmp_path / "resources" / "models").iterdir()) == [model.name]
+    # The first run's outputs are not stale because a second results dir was used.
+    again = run("run-a")
+    assert "Nothing to be done" in again.stdout + again.stderr
