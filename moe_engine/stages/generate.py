@@ -95,11 +95,11 @@ def result_row(result) -> dict[str, Any]:
 def build_requests(frame: pl.DataFrame, cfg: AppConfig) -> Iterator:
     from moe_engine.engine.request import Request, SamplingParams
 
-    stop = tuple(cfg.workload.stop)
     for row in frame.iter_rows(named=True):
+        # The corpus reader filled each row's stop strings (its own, else workload.stop).
         sampling = SamplingParams(
             max_new_tokens=row["max_new_tokens"], temperature=row["temperature"],
-            top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"], stop=stop,
+            top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"], stop=tuple(row["stop"]),
             ignore_eos=cfg.workload.ignore_eos)
         yield Request(request_id=row["id"], prompt_token_ids=list(row["prompt_token_ids"]),
                       sampling=sampling)
