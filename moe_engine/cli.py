@@ -69,7 +69,10 @@ def _report(args: argparse.Namespace) -> None:
     from moe_engine.stages.report import write_report
 
     summary = write_report(args.generations, args.stats, args.policy, args.md, args.html)
-    print(f"report: {summary['measured_tok_s']:.1f} tok/s measured over {summary['rows']} rows")
+    rate = summary["measured_tok_s"]
+    measured = f"{rate:.1f} tok/s measured" if rate is not None else "no throughput measured"
+    print(f"report: {measured} over {summary['rows']} rows ({summary['resumed_rows']} resumed, "
+          "excluded from throughput)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -79,6 +79,7 @@ def fake_generation(shard: Path, out: Path, stats: Path) -> None:
               "preemptions": 0, "timeline": [[0.1, n], [0.5, 2 * n]]}
     stats.write_text(json.dumps({"shard": shard.stem, "rows": n, "generated_rows": n,
                                  "resumed_rows": 0, "completion_tokens": 2 * n,
+                                 "generated_completion_tokens": 2 * n,
                                  "wall_time_s": 1.0, "engine": engine}))
 
 

@@ -146,6 +146,12 @@ def test_killed_generate_job_resumes_without_redoing_checkpointed_rows(tmp_path,
     checkpointed = len(ckpt.read_text().splitlines()) - 1
     assert 6 <= checkpointed < 30
     assert not (workdir / "results" / "generations" / "0.parquet").exists()
+    carried = set()
+    for line in ckpt.read_text().splitlines()[1:]:
+        try:
+            carried.add(json.loads(line)["id"])
+        except ValueError:
+            break  # a line torn by the kill is regenerated
 
     # What a user does after a kill: release Snakemake's lock, then run again.
     run_snakemake(workdir, overrides, "--unlock")
@@ -159,6 +165,17 @@ def test_killed_generate_job_resumes_without_redoing_checkpointed_rows(tmp_path,
     resumed = pl.read_parquet(workdir / "results" / "generations.parquet")
     cols = ["id", "status", "output_token_ids", "output_text", "finish_reason"]
     assert resumed.select(cols).equals(reference.select(cols))
+    # Throughput: tokens of the rows the finishing attempt generated over its own time; the
+    # carried-over rows (timed by the killed attempt, whose time is lost) are excluded.
+    fresh = resumed.filter(~pl.col("id").is_in(sorted(carried)))
+    assert stats["generated_completion_tokens"] == fresh["completion_tokens"].sum()
+    assert stats["completion_tokens"] == resumed["completion_tokens"].sum() > fresh["completion_tokens"].sum()
+    summary = json.loads((workdir / "results" / "summary.json").read_text())
+    assert summary["resumed_rows"] == checkpointed
+    assert summary["measured_tok_s"] == pytest.approx(
+        stats["generated_completion_tokens"] / stats["wall_time_s"])
+    report = (workdir / "results" / "report.md").read_text()
+    assert f"resumed rows: {checkpointed}" in report and "excluded from every throughput" in report
 
 
 def test_openai_batch_round_trip_in_results_dir_with_spaces(tmp_path):
