@@ -112,6 +112,8 @@ HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
                          "output_router_logits": True, "router_aux_loss_coef": 0.5}),
     "mixtral-attention-bias-not-read": ("tiny-mixtral", {"attention_bias": True}),
     "olmoe-hidden-act-swish": ("tiny-olmoe", {"hidden_act": "swish"}),
+    # transformers does not tie when the checkpoint has its own lm_head; neither does the loader.
+    "mixtral-tie-word-embeddings-with-own-lm-head": ("tiny-mixtral", {"tie_word_embeddings": True}),
     "qwen3-moe-rope-dynamic": (
         "tiny-qwen3-moe", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
     "qwen2-moe-rope-yarn-mscale": (
