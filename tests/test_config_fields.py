@@ -4,16 +4,14 @@ set). One case per field and family; the audit is in moe_engine/model/config_aud
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 
-from moe_engine.config import ConfigError, compose
+from moe_engine.config import ConfigError, EngineConfig, compose
 from moe_engine.engine.llm_engine import LLMEngine
-from moe_engine.config import EngineConfig
 from moe_engine.model.config_audit import UnhonouredFieldError
 from moe_engine.model.spec import ModelSpec, load_spec
 

@@ -10,7 +10,8 @@ families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE). A field is in one of three grou
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
       it), a sliding window no sequence can outgrow;
   refused here: everything else that transformers computes, each naming the field and value.
-The reader (spec.py) parses the dict; this module only judges it, so it never opens a file.
+It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
+parameters and the effective window through the helpers here, so reader and judge agree.
 """
 from __future__ import annotations
 
