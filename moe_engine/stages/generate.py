@@ -148,7 +148,7 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
         # This attempt's share: what wall_time_s measured. Rows resumed from an earlier,
         # killed attempt were timed by no one, so throughput counts these tokens only.
         "generated_completion_tokens": int(
-            outputs.filter(pl.col("id").is_in(todo["id"]))["completion_tokens"].sum() or 0),
+            outputs.filter(pl.col("id").is_in(todo["id"].to_list()))["completion_tokens"].sum() or 0),
         "prompt_tokens": int(outputs["prompt_tokens"].sum() or 0),
         "status_counts": dict(outputs.group_by("status").len().iter_rows()),
         "engine": engine_stats,
