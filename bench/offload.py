@@ -38,7 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 def model_dir(name: str) -> Path:
     if Path(name).is_dir():
         return Path(name)
-    local = REPO / "resources" / "models" / name
+    from moe_engine.tools.presets import builtin_model_key
+
+    local = REPO / "resources" / "models" / builtin_model_key(name, 0)
     if (local / "config.json").exists():
         return local
     from moe_engine.tools.checkpoints import build_checkpoint

@@ -1,8 +1,10 @@
 """Command-line entry points; each workflow rule calls exactly one subcommand, and each
 subcommand calls the stage module of the same name (`moe_engine.stages.<rule>`).
 
-Every subcommand takes the resolved config written by the Snakefile (`--config`), so a rule's
-behaviour is a function of that file and its inputs alone. Stage modules are imported inside
+Every subcommand but prepare-model takes the resolved config written by the Snakefile
+(`--config`), so a rule's behaviour is a function of that file and its inputs alone;
+prepare-model takes the preset, seed and shard count that define the checkpoint, so the model
+folder is shared by every results dir instead of depending on one run's config. Stage modules are imported inside
 their subcommand, so a light rule never pays for torch or the engine.
 """
 from __future__ import annotations
@@ -19,9 +21,8 @@ from moe_engine.config import ConfigError, load_resolved
 def _prepare_model(args: argparse.Namespace) -> None:
     from moe_engine.stages.prepare_model import prepare_model
 
-    cfg = load_resolved(args.config)
-    path = prepare_model(cfg, args.out)
-    print(f"built {cfg.model.builtin} (seed {cfg.model.seed}) at {path}")
+    path = prepare_model(args.preset, args.seed, args.num_shards, args.out)
+    print(f"{args.preset} (seed {args.seed}) at {path}")
 
 
 def _shard(args: argparse.Namespace) -> None:
@@ -68,7 +69,10 @@ def _report(args: argparse.Namespace) -> None:
     from moe_engine.stages.report import write_report
 
     summary = write_report(args.generations, args.stats, args.policy, args.md, args.html)
-    print(f"report: {summary['measured_tok_s']:.1f} tok/s measured over {summary['rows']} rows")
+    rate = summary["measured_tok_s"]
+    measured = f"{rate:.1f} tok/s measured" if rate is not None else "no throughput measured"
+    print(f"report: {measured} over {summary['rows']} rows ({summary['resumed_rows']} resumed, "
+          "excluded from throughput)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    p = command("prepare-model", _prepare_model, "build the built-in checkpoint named by the config")
+    # Takes what defines the checkpoint instead of a run's config: see stages/prepare_model.py.
+    p = sub.add_parser("prepare-model", help="build a built-in checkpoint unless it is built")
+    p.set_defaults(func=_prepare_model)
+    p.add_argument("--preset", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     p = command("shard", _shard, "normalize, tokenize and shard the corpus")
     p.add_argument("--model", type=Path, required=True)

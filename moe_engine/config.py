@@ -171,9 +171,14 @@ class AppConfig:
 
     @property
     def model_dir(self) -> Path:
-        """Where the checkpoint lives: resources/models/<preset> for built-ins, else model.path."""
+        """Where the checkpoint lives: for a built-in, resources/models/<preset>-seed<seed>-<hash
+        of its definition> (shared by every results dir, see presets.builtin_model_key); else
+        model.path."""
         if self.model.builtin is not None:
-            return Path(self.resources_dir) / "models" / self.model.builtin
+            from moe_engine.tools.presets import builtin_model_key
+
+            m = self.model
+            return Path(self.resources_dir) / "models" / builtin_model_key(m.builtin, m.seed, m.num_shards)
         return Path(self.model.path)
 
 
@@ -280,6 +285,7 @@ def compose(overrides: str | list[str] | None = None, config_dir: Path | str | N
     assert isinstance(app, AppConfig)
     validate(app)
     check_model_files(app)
+    check_model_fields(app)
     check_kv_budget(app)
     return app
 
@@ -302,6 +308,24 @@ def check_model_files(cfg: AppConfig) -> None:
                "only and never unpickles: convert the checkpoint to safetensors"
                if pickles else "the directory has no *.safetensors weights")
         _check(False, "model.path", m.path, why)
+
+
+def check_model_fields(cfg: AppConfig) -> None:
+    """A checkpoint whose config.json sets a field the engine does not compute (a sliding
+    window shorter than the context, another activation, an unsupported RoPE type...) is refused
+    when the workflow composes, before shard and policy run. Torch-free."""
+    m = cfg.model
+    if m.builtin is not None:
+        return
+    from moe_engine.model.config_audit import UnhonouredFieldError
+    from moe_engine.model.spec import ModelSpec, UnsupportedModelError
+
+    try:
+        ModelSpec.from_hf_config(Path(m.path))
+    except UnhonouredFieldError as exc:
+        _check(False, "model.path", m.path, str(exc))
+    except (UnsupportedModelError, KeyError, ValueError):
+        return  # anything else is named when the engine loads
 
 
 def check_kv_budget(cfg: AppConfig) -> None:

@@ -18,19 +18,33 @@ from typing import Iterator
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, keep_existing: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success rename it onto `path`, on error remove
     it. Works for a file or a directory (a directory must not exist at `path` yet, or it is
-    replaced whole)."""
+    replaced whole).
+
+    keep_existing: for content that is a pure function of its inputs (a built-in checkpoint),
+    whatever is at `path` already is an equal copy another writer finished first: it is kept
+    and the temporary one discarded, so a reader of `path` never sees it deleted under it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     _remove(tmp)
     try:
         yield tmp
+        if keep_existing and path.exists():
+            _remove(tmp)
+            return
         if tmp.is_dir() and path.is_dir():
             shutil.rmtree(path)
-        tmp.replace(path)
+        try:
+            tmp.replace(path)
+        except OSError:
+            # Renaming a directory onto a non-empty one fails: another writer won the race.
+            if not (keep_existing and path.exists()):
+                raise
+            _remove(tmp)
     except BaseException:
         _remove(tmp)
         raise

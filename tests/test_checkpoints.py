@@ -2,19 +2,24 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from moe_engine.io import atomic_path
 from moe_engine.tools.checkpoints import (INDEX_NAME, PRESETS, build_checkpoint, ensure_builtin,
                                     generate_state_dict)
+from moe_engine.tools.presets import builtin_model_key
 from moe_engine.model.arch import ARCHITECTURES
 from moe_engine.model.spec import load_spec
 from moe_engine.engine.tokenizer import load_tokenizer
 from moe_engine.tools.build_tokenizer import corpus_texts
 
+REPO = Path(__file__).resolve().parent.parent
 TINY_PRESETS = sorted(p for p in PRESETS if p.startswith("tiny-"))
 EXPECTED_FILES = {"config.json", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "special_tokens_map.json", "builtin.json"}
@@ -129,13 +134,54 @@ def test_unknown_preset_is_named(tmp_path):
         build_checkpoint("giant", tmp_path / "x")
 
 
-def test_ensure_builtin_reuses_matching_build(tmp_path):
+def test_ensure_builtin_reuses_the_folder_keyed_by_preset_and_seed(tmp_path):
     first = ensure_builtin("tiny-mixtral", tmp_path, seed=3)
+    assert first.name.startswith("tiny-mixtral-seed3-")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_builtin("tiny-mixtral", tmp_path, seed=3) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    ensure_builtin("tiny-mixtral", tmp_path, seed=4)
-    assert json.loads((first / "builtin.json").read_text())["seed"] == 4
+    other = ensure_builtin("tiny-mixtral", tmp_path, seed=4)
+    # Another seed is another folder: the first build stays as it was.
+    assert other != first and json.loads((other / "builtin.json").read_text())["seed"] == 4
+    assert json.loads((first / "builtin.json").read_text())["seed"] == 3
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_model_key_changes_with_the_preset_definition_only(monkeypatch):
+    key = builtin_model_key("tiny-mixtral", 0)
+    assert key == builtin_model_key("tiny-mixtral", 0)
+    assert key != builtin_model_key("tiny-mixtral", 1) != builtin_model_key("tiny-mixtral", 0, 2)
+    monkeypatch.setitem(PRESETS, "tiny-mixtral", replace(PRESETS["tiny-mixtral"], num_hidden_layers=3))
+    assert builtin_model_key("tiny-mixtral", 0) != key
+
+
+def test_concurrent_builds_of_one_checkpoint_both_succeed(tiny_mixtral_dir, tmp_path):
+    out = tmp_path / "models" / builtin_model_key("tiny-mixtral", 0)
+    cmd = [sys.executable, "-m", "moe_engine.cli", "prepare-model", "--preset", "tiny-mixtral",
+           "--seed", "0", "--out", str(out)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert _file_bytes(out) == _file_bytes(tiny_mixtral_dir)
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temporary left
+
+
+def test_a_finished_copy_is_kept_when_a_second_writer_completes(tmp_path):
+    """The race the concurrent builds hit, in order: B finishes after A renamed its copy."""
+    out = tmp_path / "model"
+    with atomic_path(out, keep_existing=True) as tmp:
+        tmp.mkdir()
+        (tmp / "f").write_text("B")
+        out.mkdir()
+        (out / "f").write_text("A")  # A finished first; a reader may be loading it now
+        inode = (out / "f").stat().st_ino
+    assert (out / "f").read_text() == "A" and (out / "f").stat().st_ino == inode
+    assert not tmp.exists()
+    with atomic_path(out) as tmp:  # without keep_existing the new copy replaces it
+        tmp.mkdir()
+        (tmp / "f").write_text("C")
+    assert (out / "f").read_text() == "C"
 
 
 @pytest.mark.parametrize("text", [

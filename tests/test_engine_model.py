@@ -22,23 +22,33 @@ from moe_engine.engine.request import Request, SamplingParams
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    # Honoured since the config audit: transformers' defaults and yarn's optional keys.
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+     "mscale": 1.0, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+     "truncate": False, "beta_fast": 16.0},
 ])
 def test_rope_frequencies_match_transformers(tmp_path, scaling):
-    from transformers import MixtralConfig
+    from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    # Written by hand, as a hub checkpoint may be: keys transformers fills in stay missing.
     params = {"rope_theta": 500000.0, "rope_type": "default", **(scaling or {})}
-    cfg = MixtralConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=64, num_hidden_layers=1, vocab_size=32, head_dim=64,
-                        max_position_embeddings=16384, rope_parameters=params)
-    cfg.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 256,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+        "num_hidden_layers": 1, "vocab_size": 32, "head_dim": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 16384, "rope_parameters": params}))
     spec = load_spec(tmp_path)
     mine, mine_scale = rope_inv_freq(spec.rope, spec.head_dim)
     if scaling is None:
         ref = 1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))
         ref_scale = 1.0
     else:
-        ref, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg)
+        ref, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](AutoConfig.from_pretrained(tmp_path))
     torch.testing.assert_close(mine, ref.float(), rtol=1e-6, atol=0)
     assert mine_scale == pytest.approx(ref_scale)
 

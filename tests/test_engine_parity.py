@@ -201,25 +201,28 @@ def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path
                    for x, y in zip(la.experts, lb.experts))
 
 
-# Flags the tiny presets leave at their hub values, switched on: Qwen3 with q/k/v/o biases and
-# decoder_sparse_step=2 (layer 0 dense), OLMoE with clip_qkv low enough to clip.
+# Flags the tiny presets leave at their hub values, switched: Qwen3 with q/k/v/o biases and
+# decoder_sparse_step=2 (layer 0 dense), OLMoE with clip_qkv low enough to clip and with
+# q/k/v/o biases, Qwen2-MoE without its q/k/v biases (qkv_bias false). Each with the spec
+# fields the config must set.
 VARIANTS = {
-    "qwen3-bias-sparse-step": ("tiny-qwen3-moe", dict(attention_bias=True, decoder_sparse_step=2)),
-    "olmoe-clip-qkv": ("tiny-olmoe", dict(clip_qkv=1.5)),
+    "qwen3-bias-sparse-step": ("tiny-qwen3-moe", dict(attention_bias=True, decoder_sparse_step=2),
+                               dict(qkv_bias=True, o_bias=True, dense_layers=(0,))),
+    "olmoe-clip-qkv": ("tiny-olmoe", dict(clip_qkv=1.5), dict(clip_qkv=1.5)),
+    "olmoe-attention-bias": ("tiny-olmoe", dict(attention_bias=True), dict(qkv_bias=True, o_bias=True)),
+    "qwen2-moe-no-qkv-bias": ("tiny-qwen2-moe", dict(attention_bias=False),
+                              dict(qkv_bias=False, o_bias=False)),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_architecture_flags_match_transformers(variant, tmp_path):
-    base, changes = VARIANTS[variant]
+    base, changes, expected = VARIANTS[variant]
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(ck.PRESETS, variant, dataclasses.replace(ck.PRESETS[base], **changes))
         model_dir = ck.build_checkpoint(variant, tmp_path / variant, seed=0)
     spec = load_spec(model_dir)
-    if variant == "olmoe-clip-qkv":
-        assert spec.clip_qkv == 1.5
-    else:
-        assert spec.qkv_bias and spec.o_bias and spec.dense_layers == (0,)
+    assert {k: getattr(spec, k) for k in expected} == expected
     engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
     indices = [0, 1, 6]
     reference = _hf_generate(_hf_model(model_dir), engine.tokenizer, [PROMPTS[i] for i in indices])

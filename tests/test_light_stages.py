@@ -22,9 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "moe_engine.model", "moe_engine.offload", "moe_engine._kernels",
          "moe_engine.engine.llm_engine", "moe_engine.engine.model_runner", "safetensors.torch")
 # Allowed after all: the torch-free part of moe_engine.model (the config.json reader the
-# performance model uses) and the kernels' empty package (the machine fingerprint looks up the
+# performance model uses, and the audit that refuses fields it does not compute) and the kernels' empty package (the machine fingerprint looks up the
 # compiled kernel's module spec, which imports the package, not the kernel).
-LIGHT = {"moe_engine.model", "moe_engine.model.spec", "moe_engine.model.arch", "moe_engine._kernels"}
+LIGHT = {"moe_engine.model", "moe_engine.model.spec", "moe_engine.model.arch",
+         "moe_engine.model.config_audit", "moe_engine._kernels"}
 # Runs the CLI as `python -m moe_engine.cli` does, then writes the loaded module names.
 DRIVER = """
 import json, runpy, sys
@@ -78,6 +79,7 @@ def fake_generation(shard: Path, out: Path, stats: Path) -> None:
               "preemptions": 0, "timeline": [[0.1, n], [0.5, 2 * n]]}
     stats.write_text(json.dumps({"shard": shard.stem, "rows": n, "generated_rows": n,
                                  "resumed_rows": 0, "completion_tokens": 2 * n,
+                                 "generated_completion_tokens": 2 * n,
                                  "wall_time_s": 1.0, "engine": engine}))
 
 

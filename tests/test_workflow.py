@@ -146,6 +146,12 @@ def test_killed_generate_job_resumes_without_redoing_checkpointed_rows(tmp_path,
     checkpointed = len(ckpt.read_text().splitlines()) - 1
     assert 6 <= checkpointed < 30
     assert not (workdir / "results" / "generations" / "0.parquet").exists()
+    carried = set()
+    for line in ckpt.read_text().splitlines()[1:]:
+        try:
+            carried.add(json.loads(line)["id"])
+        except ValueError:
+            break  # a line torn by the kill is regenerated
 
     # What a user does after a kill: release Snakemake's lock, then run again.
     run_snakemake(workdir, overrides, "--unlock")
@@ -159,6 +165,17 @@ def test_killed_generate_job_resumes_without_redoing_checkpointed_rows(tmp_path,
     resumed = pl.read_parquet(workdir / "results" / "generations.parquet")
     cols = ["id", "status", "output_token_ids", "output_text", "finish_reason"]
     assert resumed.select(cols).equals(reference.select(cols))
+    # Throughput: tokens of the rows the finishing attempt generated over its own time; the
+    # carried-over rows (timed by the killed attempt, whose time is lost) are excluded.
+    fresh = resumed.filter(~pl.col("id").is_in(sorted(carried)))
+    assert stats["generated_completion_tokens"] == fresh["completion_tokens"].sum()
+    assert stats["completion_tokens"] == resumed["completion_tokens"].sum() > fresh["completion_tokens"].sum()
+    summary = json.loads((workdir / "results" / "summary.json").read_text())
+    assert summary["resumed_rows"] == checkpointed
+    assert summary["measured_tok_s"] == pytest.approx(
+        stats["generated_completion_tokens"] / stats["wall_time_s"])
+    report = (workdir / "results" / "report.md").read_text()
+    assert f"resumed rows: {checkpointed}" in report and "excluded from every throughput" in report
 
 
 def test_openai_batch_round_trip_in_results_dir_with_spaces(tmp_path):
@@ -179,3 +196,24 @@ def test_openai_batch_round_trip_in_results_dir_with_spaces(tmp_path):
     assert benchmarks == {"prepare_model.tsv", "shard.tsv", "policy.tsv", "generate/0.tsv",
                           "merge.tsv", "report.tsv"}
     assert (results / "summary.json").exists() and (results / "plots" / "throughput.png").exists()
+
+
+def test_results_dirs_share_the_built_model_without_rebuilding(tmp_path, corpus):
+    def run(results: str) -> subprocess.CompletedProcess:
+        return run_snakemake(tmp_path, _overrides(corpus, "workload.limit=4", f"results_dir={results}"))
+
+    def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [folder, *folder.iterdir()]}
+
+    run("run-a")
+    [model] = (tmp_path / "resources" / "models").iterdir()
+    assert model.name.startswith("tiny-mixtral-seed0-")
+    before = snapshot(model)
+    run("run-b")
+    assert snapshot(model) == before  # same folder, same files: nothing rebuilt
+    assert not (tmp_path / "run-b" / "logs" / "prepare_model.log").exists()
+    assert (tmp_path / "run-b" / "generations.parquet").exists()
+    assert sorted(p.name for p in (tmp_path / "resources" / "models").iterdir()) == [model.name]
+    # The first run's outputs are not stale because a second results dir was used.
+    again = run("run-a")
+    assert "Nothing to be done" in again.stdout + again.stderr

@@ -38,7 +38,9 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scaling factor for the configured RoPE type."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = rope.rope_type
-    if kind == "default":
+    # Dynamic NTK rescales only once a sequence outgrows max_position_embeddings, and the
+    # engine never runs one that long: inside the context it is the default RoPE.
+    if kind in ("default", "dynamic"):
         return inv, 1.0
     if kind == "linear":
         return inv / rope.factor, 1.0
@@ -52,22 +54,37 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
-        old = rope.original_max_position_embeddings or 4096
-        attn = rope.attention_factor
-        if attn is None:
-            attn = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        return _yarn_inv_freq(rope, head_dim, inv)
+    raise ValueError(f"unsupported rope_type {kind!r} (default, dynamic, linear, llama3, yarn)")
 
-        def corr(rot: float) -> float:
-            return head_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
 
-        low = max(math.floor(corr(rope.beta_fast)), 0)
-        high = min(math.ceil(corr(rope.beta_slow)), head_dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extra = 1 - ramp
-        return inv / rope.factor * (1 - extra) + inv * extra, float(attn)
-    raise ValueError(f"unsupported rope_type {kind!r} (default, linear, llama3, yarn)")
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _yarn_inv_freq(rope: RopeSpec, head_dim: int, inv: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the low frequencies, keep the high ones, ramp in between; scale
+    cos/sin by attention_factor (from factor, or the mscale ratio when both are given)."""
+    old = rope.original_max_position_embeddings or 4096
+    attn = rope.attention_factor
+    if attn is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attn = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        else:
+            attn = _yarn_mscale(rope.factor)
+
+    def corr(rot: float) -> float:
+        return head_dim * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr(rope.beta_fast), corr(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extra = 1 - ramp
+    return inv / rope.factor * (1 - extra) + inv * extra, float(attn)
 
 
 class RotaryTable:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from moe_engine.model.arch import UnsupportedArchitectureError, architecture, architecture_name
+from moe_engine.model.config_audit import (refuse_unhonoured_fields, rope_parameters, rope_type,
+                                           sliding_window)
 
 GB = 1e9
 
@@ -32,13 +34,17 @@ class RopeSpec:
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float = 1.0
-    # llama3 / yarn extras; unused for the default type.
+    # llama3 / yarn extras; unused for the default type. transformers fills a missing
+    # original_max_position_embeddings with max_position_embeddings; so does the reader.
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: Optional[int] = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: Optional[float] = None
+    mscale: Optional[float] = None  # yarn: with mscale_all_dim, sets the default attention_factor
+    mscale_all_dim: Optional[float] = None
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,10 @@ class ModelSpec:
         """Read a Hugging Face config.json (path to the file or its directory, or the parsed dict).
 
         Reads the engine's architectures (arch.ARCHITECTURES) and, for the performance model
-        only, deepseek_v2; any other raises UnsupportedModelError naming it. `dtype`
+        only, deepseek_v2; any other raises UnsupportedModelError naming it. A field of the
+        engine's architectures that changes the output and is not computed (a sliding window
+        shorter than the context, another activation, ...) raises UnhonouredFieldError naming
+        it (model/config_audit.py). `dtype`
         ("bfloat16", "float32", "auto", ...) overrides the checkpoint's, as `model.dtype` does.
         """
         if not isinstance(config, Mapping):
@@ -269,23 +278,30 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def _rope_spec(cfg: Mapping[str, Any]) -> RopeSpec:
-    # transformers 5 writes `rope_parameters` (theta inside); older checkpoints write
-    # `rope_theta` + optional `rope_scaling`. Accept both.
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
+    # Defaults as transformers' standardize_rope_params and ROPE_INIT_FUNCTIONS fill them.
+    _, params = rope_parameters(cfg)
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    positions = int(cfg.get("max_position_embeddings", 4096))
+    original = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    original = int(original or positions)
+    kind = rope_type(params)
+    factor = params.get("factor")
+    if factor is None:
+        # yarn without a factor scales from the pretraining length to the configured one.
+        factor = positions / original if kind == "yarn" else 1.0
     return RopeSpec(
         theta=float(theta),
-        rope_type=str(rope_type),
-        factor=float(params.get("factor", 1.0) or 1.0),
+        rope_type=kind,
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-        beta_fast=float(params.get("beta_fast", 32.0)),
-        beta_slow=float(params.get("beta_slow", 1.0)),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -351,6 +367,7 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         arch = architecture(arch_name)
     except UnsupportedArchitectureError as e:
         raise UnsupportedModelError(f"{e}; the performance model also sizes deepseek_v2") from None
+    refuse_unhonoured_fields(cfg, arch.model_type)
     common = _common(cfg, dtype, name)
     own = arch.own_config(dict(cfg))
     heads = common["num_heads"]
@@ -362,8 +379,8 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         **common,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or common["hidden_size"] // heads),
-        # Qwen configs carry a window size even when use_sliding_window is off.
-        sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        # At least max_position_embeddings when set (shorter windows are refused above).
+        sliding_window=sliding_window(cfg, arch.model_type)[1],
         # Qwen2-MoE switches q/k/v biases with qkv_bias; Qwen3 and OLMoE switch q/k/v/o biases
         # with attention_bias.
         qkv_bias=bool(own.get("qkv_bias", own.get("attention_bias", False))),

@@ -1,8 +1,9 @@
 """Read input corpora into one normalized table, accounting for every input row.
 
 Formats: JSONL or Parquet rows with a prompt column or a chat-messages column (names from the
-workload config), optional per-row sampling fields; OpenAI Batch API JSONL (`custom_id`,
-`body.messages`, `body.max_tokens`, ...). A row that cannot be used (bad JSON, undecodable bytes,
+workload config), optional per-row sampling fields (stop included); OpenAI Batch API JSONL
+(`custom_id`, `body.messages`, `body.max_tokens`, `body.stop`, ...; `body.n` above 1 is
+rejected, as a row holds one choice). A row that cannot be used (bad JSON, undecodable bytes,
 missing or wrong-typed fields, duplicate id) is kept with status `rejected` and a reason, so the
 output has exactly one row per input row.
 
@@ -92,7 +93,23 @@ def _check_sampling(raw: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             return {}, f"{name} must be a number, got {value!r}"
         out[name] = value
+    stop = raw.get("stop")
+    if stop is not None:
+        # OpenAI's form: one string or a list of them.
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            return {}, f"stop must be a string or a list of strings, got {stop!r}"
+        out["stop"] = tuple(stop)
     return out, SamplingParams(**out).validate()
+
+
+def _check_choices(body: dict[str, Any]) -> str | None:
+    """Reason an OpenAI body asks for what a row cannot return: one row holds one choice."""
+    n = body.get("n")
+    if n is None or (n == 1 and isinstance(n, int) and not isinstance(n, bool)):
+        return None
+    return f"n={n!r}: only one choice per request is generated (body.n must be 1 or absent)"
 
 
 def _normalize(raw: Any, row: _Row, fmt: InputFormat, w: WorkloadConfig) -> _Row:
@@ -109,8 +126,11 @@ def _normalize(raw: Any, row: _Row, fmt: InputFormat, w: WorkloadConfig) -> _Row
         if not isinstance(body, dict):
             row.error = "body missing or not an object"
             return row
+        row.error = _check_choices(body)
+        if row.error:
+            return row
         sampling = {"max_new_tokens": body.get("max_completion_tokens", body.get("max_tokens")),
-                    **{k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed")}}
+                    **{k: body.get(k) for k in ("temperature", "top_p", "top_k", "seed", "stop")}}
         content = body.get("messages")
         prompt = body.get("prompt")
     else:
@@ -214,6 +234,7 @@ def rows_to_frame(rows: Iterator[_Row], w: WorkloadConfig) -> pl.DataFrame:
             "top_p": float(s.get("top_p", w.top_p)),
             "top_k": s.get("top_k", w.top_k),
             "seed": s.get("seed", stable_seed(w.seed, row_id)),
+            "stop": list(s.get("stop", w.stop)),
             "status": STATUS_REJECTED if error else STATUS_PENDING,
             "error": error,
         })

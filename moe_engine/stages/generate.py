@@ -1,7 +1,8 @@
 """Run the engine over one shard, checkpointing completed rows so a killed job resumes.
 
 Completed results are appended to `<out>.ckpt.jsonl` every `engine.checkpoint_every` results
-(flushed and fsynced). A job killed at any point, SIGKILL included, loses at most the results
+(flushed and fsynced). The stats name the rows this attempt generated and their tokens apart
+from the resumed ones, since the attempt's time covers only the former. A job killed at any point, SIGKILL included, loses at most the results
 since the last flush: on restart, rows found in the checkpoint are not regenerated. The first
 line of the checkpoint fingerprints the resolved config and the shard, so a checkpoint written
 under other settings is discarded rather than mixed in. The shard's output Parquet is written
@@ -95,11 +96,11 @@ def result_row(result) -> dict[str, Any]:
 def build_requests(frame: pl.DataFrame, cfg: AppConfig) -> Iterator:
     from moe_engine.engine.request import Request, SamplingParams
 
-    stop = tuple(cfg.workload.stop)
     for row in frame.iter_rows(named=True):
+        # The corpus reader filled each row's stop strings (its own, else workload.stop).
         sampling = SamplingParams(
             max_new_tokens=row["max_new_tokens"], temperature=row["temperature"],
-            top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"], stop=stop,
+            top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"], stop=tuple(row["stop"]),
             ignore_eos=cfg.workload.ignore_eos)
         yield Request(request_id=row["id"], prompt_token_ids=list(row["prompt_token_ids"]),
                       sampling=sampling)
@@ -144,6 +145,10 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
         "generated_rows": todo.height, "wall_time_s": wall,
         "started_at": started_at, "finished_at": started_at + wall,
         "completion_tokens": int(outputs["completion_tokens"].sum() or 0),
+        # This attempt's share: what wall_time_s measured. Rows resumed from an earlier,
+        # killed attempt were timed by no one, so throughput counts these tokens only.
+        "generated_completion_tokens": int(
+            outputs.filter(pl.col("id").is_in(todo["id"].to_list()))["completion_tokens"].sum() or 0),
         "prompt_tokens": int(outputs["prompt_tokens"].sum() or 0),
         "status_counts": dict(outputs.group_by("status").len().iter_rows()),
         "engine": engine_stats,

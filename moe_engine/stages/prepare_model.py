@@ -3,14 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_engine.config import AppConfig, ConfigError
 
+def prepare_model(preset: str, seed: int, num_shards: int, out: Path) -> Path:
+    """The preset's checkpoint in `out`, built unless a complete build is there already.
 
-def prepare_model(cfg: AppConfig, out: Path) -> Path:
-    """Write the preset's checkpoint to `out` (deterministic for the configured seed)."""
-    if cfg.model.builtin is None:
-        raise ConfigError("model.builtin=None: prepare-model only builds built-in presets")
-    from moe_engine.tools.checkpoints import build_checkpoint
+    Takes what defines the checkpoint, not the run's config, so a new results dir never
+    rebuilds it; concurrent runs building the same `out` both succeed (checkpoints.ensure_checkpoint).
+    """
+    from moe_engine.tools.checkpoints import ensure_checkpoint
 
-    return build_checkpoint(cfg.model.builtin, out, seed=cfg.model.seed,
-                            num_shards=cfg.model.num_shards)
+    return ensure_checkpoint(preset, out, seed=seed, num_shards=num_shards)

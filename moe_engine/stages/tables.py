@@ -26,6 +26,7 @@ CORPUS_SCHEMA = {
     "top_p": pl.Float64,
     "top_k": pl.Int64,
     "seed": pl.Int64,
+    "stop": pl.List(pl.Utf8),   # stop strings: the row's own (OpenAI body.stop), else workload.stop
     "status": pl.Utf8,
     "error": pl.Utf8,
 }
@@ -37,7 +38,7 @@ GENERATION_SCHEMA = {
     "prompt_tokens": pl.Int64, "completion_tokens": pl.Int64,
     "output_text": pl.Utf8, "output_token_ids": pl.List(pl.Int32),
     "max_new_tokens": pl.Int64, "temperature": pl.Float64, "top_p": pl.Float64,
-    "top_k": pl.Int64, "seed": pl.Int64,
+    "top_k": pl.Int64, "seed": pl.Int64, "stop": pl.List(pl.Utf8),
 }
 RESULT_FIELDS = ("status", "error", "finish_reason", "prompt_tokens", "completion_tokens",
                   "output_text", "output_token_ids")

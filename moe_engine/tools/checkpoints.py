@@ -23,10 +23,12 @@ from safetensors.torch import save_file
 
 from moe_engine.io import atomic_path
 from moe_engine.tools.build_tokenizer import write_tokenizer
-from moe_engine.tools.presets import LLAMA_MLP, PRESETS, MoePreset, hf_config
+from moe_engine.tools.presets import (LLAMA_MLP, PRESETS, MoePreset, builtin_model_key, get_preset,
+                                     hf_config)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+STAMP_NAME = "builtin.json"  # written last: what was built, from which preset and seed
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -155,18 +157,18 @@ def _write_weights(state: dict[str, torch.Tensor], out_dir: Path, num_shards: in
 
 
 def build_checkpoint(preset: str, out_dir: Path | str, seed: int = 0, num_shards: int = 1,
-                     corpus_files: list[Path] | None = None) -> Path:
+                     corpus_files: list[Path] | None = None, keep_existing: bool = False) -> Path:
     """Write the built-in checkpoint `preset` to out_dir (replaced atomically) and return it.
 
     Deterministic: the same (preset, seed, num_shards, corpus) gives byte-identical files.
+    keep_existing: a checkpoint another process renamed into out_dir meanwhile is kept (it is
+    the same bytes) instead of being replaced while a reader may be loading it.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"model.builtin={preset!r}: unknown preset; choose one of {sorted(PRESETS)}")
+    spec = get_preset(preset)
     if num_shards < 1:
         raise ValueError(f"model.num_shards={num_shards!r}: must be >= 1")
-    spec = PRESETS[preset]
     out_dir = Path(out_dir)
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, keep_existing=keep_existing) as tmp:
         tmp.mkdir()
         _write_checkpoint(tmp, preset, spec, seed, num_shards, corpus_files)
     return out_dir
@@ -183,20 +185,31 @@ def _write_checkpoint(tmp: Path, preset: str, spec: MoePreset, seed: int, num_sh
                                  corpus_files)
     _write_weights(generate_state_dict(spec, seed, text_vocab), tmp, num_shards,
                    spec.num_hidden_layers)
-    (tmp / "builtin.json").write_text(json.dumps(
+    (tmp / STAMP_NAME).write_text(json.dumps(
         {"preset": preset, "seed": seed, "num_shards": num_shards, "shapes": asdict(spec)},
         indent=2, sort_keys=True) + "\n")
 
 
+def ensure_checkpoint(preset: str, out_dir: Path | str, seed: int = 0, num_shards: int = 1) -> Path:
+    """out_dir holding the built-in checkpoint, built only when no complete build is there.
+
+    A build is renamed into place whole, so a folder with its builtin.json stamp is complete.
+    Concurrent builders of the same out_dir all succeed: the first rename wins and the others
+    discard their identical copy. The caller keys out_dir by what defines the checkpoint
+    (presets.builtin_model_key), so an existing build never has other parameters.
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / STAMP_NAME).exists():
+        return out_dir
+    # A folder without the stamp is no build of ours (or a foreign leftover): replace it.
+    return build_checkpoint(preset, out_dir, seed=seed, num_shards=num_shards,
+                            keep_existing=not out_dir.exists())
+
+
 def ensure_builtin(preset: str, resources_dir: Path | str, seed: int = 0, num_shards: int = 1) -> Path:
-    """Path of resources/models/<preset>, built if missing or built with other parameters."""
-    out_dir = Path(resources_dir) / "models" / preset
-    stamp = out_dir / "builtin.json"
-    if stamp.exists():
-        info = json.loads(stamp.read_text())
-        if (info.get("preset"), info.get("seed"), info.get("num_shards")) == (preset, seed, num_shards):
-            return out_dir
-    return build_checkpoint(preset, out_dir, seed=seed, num_shards=num_shards)
+    """Path of resources/models/<builtin_model_key>, built if missing."""
+    key = builtin_model_key(preset, seed, num_shards)
+    return ensure_checkpoint(preset, Path(resources_dir) / "models" / key, seed, num_shards)
 
 
 def main(argv: list[str] | None = None) -> None:

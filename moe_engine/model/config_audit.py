@@ -1,0 +1,126 @@
+"""config.json fields that would change the math but the engine does not compute: refused at load.
+
+Audited field by field against transformers' configuration and modeling files of the four
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE). A field is in one of three groups:
+  honoured: spec.py reads it into ModelSpec and the layers compute it (shapes, rms_norm_eps,
+      RoPE default/dynamic/linear/llama3/yarn, biases, q/k norms, clip_qkv, norm_topk_prob, shared
+      experts, dense layers, tied embeddings, dtype);
+  inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
+      router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
+      only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
+      it), a sliding window no sequence can outgrow;
+  refused here: everything else that transformers computes, each naming the field and value.
+It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
+parameters and the effective window through the helpers here, so reader and judge agree.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+# transformers' ACT2FN maps both names to F.silu, the only activation swiglu computes.
+SILU_NAMES = ("silu", "swish")
+# rope types layers.rope_inv_freq computes (transformers' ROPE_INIT_FUNCTIONS has more).
+ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
+
+
+class UnhonouredFieldError(ValueError):
+    """config.json sets a field that changes the model's output and the engine does not
+    compute it; the message names the field, its value and why."""
+
+
+def sliding_window(cfg: Mapping[str, Any], model_type: str) -> tuple[str, Optional[int]]:
+    """(field, window): the attention window transformers applies to at least one layer of a
+    `model_type` model (None when no layer is windowed) and the config field that sets it;
+    each family switches it differently."""
+    window = cfg.get("sliding_window")
+    if model_type == "qwen3_moe":
+        return ("sliding_window", window if cfg.get("use_sliding_window", False) else None)
+    if model_type == "qwen2_moe":
+        use = bool(cfg.get("use_sliding_window", False))
+        layers = int(cfg.get("num_hidden_layers", 0))
+        # Qwen2MoeConfig: window 0 when use_sliding_window is off; explicit layer_types win,
+        # else every even layer below max_window_layers is windowed.
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < int(cfg.get("max_window_layers", 28)) and use
+            else "full_attention" for i in range(layers)]
+        if "sliding_attention" not in types:
+            return ("sliding_window", None)
+        field = "sliding_window" if use else "layer_types"
+        return (field, window if use else 0)
+    # Mixtral windows every layer whenever the key is set (it has no use_sliding_window);
+    # OLMoE hands the key to the attention kernels, and flash attention applies it.
+    return ("sliding_window", window)
+
+
+def _check_sliding_window(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    field, window = sliding_window(cfg, model_type)
+    positions = int(cfg.get("max_position_embeddings", 4096))
+    # The engine never runs a sequence past max_position_embeddings, so a window at least that
+    # long never hides a token: the attention is the full causal one either way.
+    if window is None or int(window) >= positions:
+        return None
+    value = cfg.get(field)
+    return (f"{field}={value!r}: sliding-window attention (window {window} < "
+            f"max_position_embeddings={positions}) is not implemented; the engine attends to the "
+            "whole context and would diverge from the model after the window's length")
+
+
+def _check_activation(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    act = cfg.get("hidden_act", "silu")
+    if act in SILU_NAMES:
+        return None
+    return f"hidden_act={act!r}: the expert MLPs compute SwiGLU with silu only"
+
+
+def rope_parameters(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(key, parameters): the RoPE parameters of `cfg` and the key naming them. transformers 5
+    writes `rope_parameters` (theta inside); older checkpoints write `rope_theta` + optional
+    `rope_scaling` (`type` for `rope_type`). Both are read, the newer winning."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    return key, {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def rope_type(params: Mapping[str, Any]) -> str:
+    """The RoPE type of merged `rope_parameters` ("default" when unset)."""
+    return str(params.get("rope_type", params.get("type", "default")) or "default")
+
+
+def _check_rope_type(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    key, params = rope_parameters(cfg)
+    kind = rope_type(params)
+    if kind in ROPE_TYPES:
+        return None
+    return f"{key}.rope_type={kind!r}: supported RoPE types are {', '.join(ROPE_TYPES)}"
+
+
+def _check_partial_rotary(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    key, params = rope_parameters(cfg)
+    for field, factor in ((f"{key}.partial_rotary_factor", params.get("partial_rotary_factor")),
+                          ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):
+        if factor is not None and float(factor) != 1.0:
+            return f"{field}={factor!r}: RoPE rotates the whole head here (factor 1.0 only)"
+    return None
+
+
+def _check_quantization(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+    return (f"quantization_config (quant_method={method!r}): quantized weights are not "
+            "supported; load a bf16/fp16/fp32 checkpoint")
+
+
+CHECKS: tuple[Callable[[Mapping[str, Any], str], Optional[str]], ...] = (
+    _check_sliding_window, _check_activation, _check_rope_type, _check_partial_rotary,
+    _check_quantization)
+
+
+def refuse_unhonoured_fields(cfg: Mapping[str, Any], model_type: str) -> None:
+    """Raise UnhonouredFieldError naming every field of `cfg` (a config.json of the engine's
+    architecture `model_type`) that would change the output and is not computed."""
+    problems = [p for p in (check(cfg, model_type) for check in CHECKS) if p]
+    if problems:
+        raise UnhonouredFieldError(
+            f"config.json of a {model_type} model: " + "; ".join(problems)
+            + " (refused at load instead of generating tokens that differ from the model's)")

@@ -1,0 +1,139 @@
+"""config.json fields that change the math: refused at load naming the field (and transformers
+shows that they do change its output), or honoured (the engine matches transformers with them
+set). One case per field and family; the audit is in moe_engine/model/config_audit.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moe_engine.config import ConfigError, EngineConfig, compose
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.model.config_audit import UnhonouredFieldError
+from moe_engine.model.spec import ModelSpec, load_spec
+
+from test_engine_parity import PROMPTS, _assert_matches, _hf_generate, _hf_model, _requests
+
+# Prompts 2 and 8 are 36 and 32 tokens long: past every window below.
+LONG = [2, 8]
+
+
+def _variant(base: Path, out: Path, changes: dict[str, Any]) -> Path:
+    """A copy of checkpoint `base` whose config.json has `changes` (None deletes a key)."""
+    out.mkdir()
+    for f in base.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return out
+
+
+def _hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return _hf_model(model_dir)(torch.tensor([ids])).logits[0]
+
+
+# id: (preset, config changes, text the error must name, whether transformers can run it)
+REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
+    # The issue's case: Mixtral windows every layer when the key is set.
+    "mixtral-sliding-window-32": ("tiny-mixtral", {"sliding_window": 32}, "sliding_window=32", True),
+    # Mixtral has no use_sliding_window: transformers windows anyway.
+    "mixtral-sliding-window-ignores-use-flag": (
+        "tiny-mixtral", {"sliding_window": 16, "use_sliding_window": False}, "sliding_window=16", True),
+    "qwen2-moe-use-sliding-window": (
+        "tiny-qwen2-moe", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window=16", True),
+    "qwen3-moe-use-sliding-window": (
+        "tiny-qwen3-moe", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window=16", True),
+    # Explicit layer_types win over use_sliding_window (window 0 then); transformers masks
+    # every key of those layers, so there is no reference output to compare.
+    "qwen2-moe-layer-types": (
+        "tiny-qwen2-moe", {"layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                           "use_sliding_window": False, "sliding_window": 16}, "layer_types=", False),
+    # OLMoE passes the key to the attention kernels (flash attention applies it); eager and
+    # SDPA ignore it, so transformers' output on this machine is no reference either.
+    "olmoe-sliding-window": ("tiny-olmoe", {"sliding_window": 16}, "sliding_window=16", False),
+    "mixtral-hidden-act-gelu": ("tiny-mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'", True),
+    "qwen2-moe-hidden-act-relu": ("tiny-qwen2-moe", {"hidden_act": "relu"}, "hidden_act='relu'", True),
+    "qwen3-moe-hidden-act-gelu": ("tiny-qwen3-moe", {"hidden_act": "gelu"}, "hidden_act='gelu'", True),
+    "olmoe-hidden-act-gelu": ("tiny-olmoe", {"hidden_act": "gelu"}, "hidden_act='gelu'", True),
+    "mixtral-rope-longrope": (
+        "tiny-mixtral", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0,
+                                          "original_max_position_embeddings": 1024,
+                                          "short_factor": [2.0] * 16, "long_factor": [4.0] * 16}},
+        "rope_scaling.rope_type='longrope'", True),
+    # transformers' Mixtral/Qwen/OLMoE rotate whole heads, so they cannot run a partial factor.
+    "qwen3-moe-partial-rotary": (
+        "tiny-qwen3-moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5", False),
+    "olmoe-quantization-config": (
+        "tiny-olmoe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_field_that_changes_the_math_is_refused_at_load(case, builtin_dir, tmp_path):
+    preset, changes, named, transformers_runs = REFUSED[case]
+    base = builtin_dir(preset)
+    model_dir = _variant(base, tmp_path / case, changes)
+    with pytest.raises(UnhonouredFieldError, match=named.replace("[", r"\[")):
+        load_spec(model_dir)
+    # The performance model reads the same spec: the policy stage refuses too.
+    with pytest.raises(UnhonouredFieldError):
+        ModelSpec.from_hf_config(model_dir)
+    with pytest.raises(UnhonouredFieldError):
+        LLMEngine(model_dir, EngineConfig(threads=1, kv_cache_gb=0.01), dtype="float32")
+    if transformers_runs:
+        # The refusal is needed: with the field set, transformers' logits change.
+        from moe_engine.engine.tokenizer import load_tokenizer
+
+        ids = load_tokenizer(base).encode_prompt(PROMPTS[LONG[0]])
+        diff = (_hf_logits(base, ids) - _hf_logits(model_dir, ids)).abs().max().item()
+        assert diff > 1e-3, f"{case}: transformers' output does not depend on {changes}"
+
+
+# id: (preset, config changes); each must load and match transformers on prompts past 16 tokens.
+HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral-sliding-window-null": ("tiny-mixtral", {"sliding_window": None}),
+    "mixtral-sliding-window-at-max-positions": ("tiny-mixtral", {"sliding_window": 4096}),
+    "qwen2-moe-window-size-without-use-flag": (
+        "tiny-qwen2-moe", {"use_sliding_window": False, "sliding_window": 16}),
+    "qwen2-moe-sliding-window-above-max-window-layers": (
+        "tiny-qwen2-moe", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}),
+    "qwen3-moe-window-size-without-use-flag": (
+        "tiny-qwen3-moe", {"use_sliding_window": False, "sliding_window": 16}),
+    "mixtral-training-only-fields": (
+        "tiny-mixtral", {"router_jitter_noise": 0.5, "attention_dropout": 0.5,
+                         "output_router_logits": True, "router_aux_loss_coef": 0.5}),
+    "mixtral-attention-bias-not-read": ("tiny-mixtral", {"attention_bias": True}),
+    "olmoe-hidden-act-swish": ("tiny-olmoe", {"hidden_act": "swish"}),
+    # transformers does not tie when the checkpoint has its own lm_head; neither does the loader.
+    "mixtral-tie-word-embeddings-with-own-lm-head": ("tiny-mixtral", {"tie_word_embeddings": True}),
+    "qwen3-moe-rope-dynamic": (
+        "tiny-qwen3-moe", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    "qwen2-moe-rope-yarn-mscale": (
+        "tiny-qwen2-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                            "mscale_all_dim": 0.5,
+                                            "original_max_position_embeddings": 64}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HONOURED))
+def test_field_that_loads_matches_transformers(case, builtin_dir, tmp_path):
+    preset, changes = HONOURED[case]
+    model_dir = _variant(builtin_dir(preset), tmp_path / case, changes)
+    engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
+    spec = engine.spec
+    assert spec.sliding_window is None or spec.sliding_window >= spec.max_position_embeddings
+    reference = _hf_generate(_hf_model(model_dir), engine.tokenizer, [PROMPTS[i] for i in LONG])
+    reference = {str(i): reference[str(k)] for k, i in enumerate(LONG)}
+    _assert_matches(engine, reference, _requests(LONG))
+
+
+def test_compose_refuses_a_checkpoint_with_an_unhonoured_field(builtin_dir, tmp_path):
+    model_dir = _variant(builtin_dir("tiny-mixtral"), tmp_path / "windowed", {"sliding_window": 32})
+    with pytest.raises(ConfigError, match="sliding_window=32"):
+        compose(f"model=hf model.path={model_dir}")
