@@ -7,16 +7,19 @@
  *
  * A task handles one (sequence, KV head) and all query heads of its GQA group, so it streams,
  * per block, one contiguous run of K and one of V, each read from memory once. For each chunk
- * of VW consecutive tokens and tile of T query heads (attn_chunk):
+ * of CH = 16 consecutive tokens and tile of T query heads (attn_chunk):
  *   q.k  each token's partial products stay a vector, two tokens at a time (2T independent FMA
- *        chains hide the FMA latency); a transposing reduction turns a head's VW vectors into
- *        one vector of VW scores, a lane per token;
- *   softmax  online, in fp32, on that score vector;
+ *        chains hide the FMA latency); a transposing reduction turns VW such vectors of a head
+ *        into one vector of VW scores, a lane per token (16 / VW score vectors per chunk);
+ *   softmax  online, in fp32, on those score vectors;
  *   P.V  the accumulators of T heads x two vectors of dimensions stay in registers across the
  *        chunk, each V row widened once for all T heads.
- * Registers: q.k holds 2T accumulators and 4 K vectors, P.V 2T accumulators, 2 V vectors and a
- * broadcast. AVX-512 has 32 registers: T = 8 (up to 23 live). AVX2 and SSE have 16: T = 4 (up to
- * 13); T = 8 would spill accumulators in the inner loop.
+ * Registers: q.k holds 2T accumulators, 4 K vectors and 2 q vectors, P.V 2T accumulators, 2 V
+ * vectors and a broadcast. AVX-512 has 32 registers: T = 8 (up to 22 live). AVX2 and SSE have
+ * 16: T = 4 (up to 14); T = 8 would spill accumulators in the inner loops. The chunk is 16
+ * tokens on every ISA (two score vectors on AVX2, four on SSE) so that the softmax step, which
+ * is short on arithmetic and long on latency, and the accumulator loads and stores of P.V, are
+ * paid once per 16 tokens: 8-token chunks on AVX2 ran at 0.7x the rate.
  *
  * Why vector extensions and not plain loops: the q.k dot product is a reduction, which GCC only
  * vectorizes with -ffast-math (reassociation), and a tile's accumulators must stay in registers
@@ -36,6 +39,21 @@
 #endif
 
 #define AT MOE_ATTN_TILE
+/* Prefetches of the next block go to L2 (prefetcht1): on Zen 4 prefetcht0 into L1 held the
+ * line-fill buffers and read the paged cache at half the rate (fp32: 8 vs 16 GB/s, 1 thread);
+ * the lines move on to L1 with a second prefetch just before their chunk is used. */
+#define PF_L2 2
+#define PF_L1 3
+/* Keeps a vector in a register: GCC would otherwise fold a q vector used by two FMAs into both
+ * as a memory operand, loading it twice, and the q.k loop is then bound by L1 loads (AVX-512:
+ * 20 loads of 64 bytes per 16 FMAs; pinned, 12). */
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN(x) __asm__("" : "+v"(x))
+#else
+#define PIN(x) ((void)0)
+#endif
+#define CH 16         /* tokens per chunk, on every ISA */
+#define NSV (CH / VW) /* score vectors per chunk */
 /* The softmax reference max moves only when a score exceeds it by this much (natural-log
  * units), so most chunks skip the horizontal max, the correction's exp and the pass over the
  * accumulator; exponents stay below e^8, far from fp32 overflow. */
@@ -45,7 +63,7 @@ static inline int attn_esize(int dt) { return dt == MOE_W_F32 ? 4 : 2; }
 
 /* 2*VW consecutive stored elements as two fp32 vectors. bf16 comes in its lane order: the even
  * elements, then the odd ones (cvt_bf16_halves); q and the accumulator use the same order
- * (attn_lane_pos), so the loads need no shuffles. */
+ * (attn_to_lanes), so the loads need no shuffles. */
 static inline __attribute__((always_inline)) void attn_load2(const int dt, const char *p, vf *lo,
                                                             vf *hi) {
     if (dt == MOE_W_F32) {
@@ -64,12 +82,29 @@ static inline __attribute__((always_inline)) vf attn_load1(const int dt, const c
     return dt == MOE_W_F32 ? ldf(p) : dt == MOE_W_BF16 ? cvt_bf16(p) : cvt_f16(p);
 }
 
-/* Position, in the loads' lane order, of element i of a row of d: inside each full group of
- * 2*VW bf16 elements, even elements first, then odd ones; a final half group keeps its order. */
-static inline int attn_lane_pos(int dt, int i, int d) {
-    const int base = i & ~(2 * VW - 1), r = i & (2 * VW - 1);
-    if (dt != MOE_W_BF16 || base + 2 * VW > d) return i;
-    return base + (r & 1) * VW + (r >> 1);
+/* y = x * scale for a row of d, x in natural order and y in the loads' lane order (to_lanes),
+ * or back (from_lanes): inside each full group of 2*VW bf16 elements, even elements first, then
+ * odd ones; a final half group, and every f32/f16 row, keep their order. */
+static void attn_to_lanes(int dt, const float *x, float *y, int d, float scale) {
+    int i = 0;
+    if (dt == MOE_W_BF16)
+        for (; i + 2 * VW <= d; i += 2 * VW)
+            for (int r = 0; r < VW; r++) {
+                y[i + r] = x[i + 2 * r] * scale;
+                y[i + VW + r] = x[i + 2 * r + 1] * scale;
+            }
+    for (; i < d; i++) y[i] = x[i] * scale;
+}
+
+static void attn_from_lanes(int dt, const float *x, float *y, int d, float scale) {
+    int i = 0;
+    if (dt == MOE_W_BF16)
+        for (; i + 2 * VW <= d; i += 2 * VW)
+            for (int r = 0; r < VW; r++) {
+                y[i + 2 * r] = x[i + r] * scale;
+                y[i + 2 * r + 1] = x[i + VW + r] * scale;
+            }
+    for (; i < d; i++) y[i] = x[i] * scale;
 }
 
 /* r[j] = sum of the lanes of a[j], j < VW: a transposing reduction (log2(VW) levels of
@@ -158,7 +193,7 @@ static inline vf attn_exp(vf x) {
     return p * (vf)e;
 }
 
-/* Fold a chunk of ntok (1..VW) consecutive cached tokens into the online-softmax state of a
+/* Fold a chunk of ntok (1..CH) consecutive cached tokens into the online-softmax state of a
  * tile of T query heads sharing one KV head:
  *   q    [T, d]  fp32, multiplied by the softmax scale, in the loads' lane order
  *   k, v [ntok, d] rows of one (block, KV head) in storage dtype dt, row stride d
@@ -173,16 +208,22 @@ static inline __attribute__((always_inline)) void attn_chunk(
     const int64_t row = (int64_t)d * esz;
     const int d2 = d & ~(2 * VW - 1);
     /* one share per token pair: a burst of prefetches would stall on the line-fill buffers */
-    const int pf_step = ((pf_bytes + VW / 2 - 1) / (VW / 2) + 63) & ~63;
-    vf part[AT][VW];
-    float p[AT][VW] __attribute__((aligned(64)));
-    for (int j = 0; j < VW; j += 2) {
+    const int pf_step = ((pf_bytes + CH / 2 - 1) / (CH / 2) + 63) & ~63;
+    vf part[AT][CH];
+    float p[AT][CH] __attribute__((aligned(64)));
+    for (int j = 0; j < CH; j += 2) {
         vf a[AT], b[AT];
         for (int t = 0; t < T; t++) a[t] = b[t] = (vf){0};
         for (int o = (j >> 1) * pf_step; o < pf_bytes && o < ((j >> 1) + 1) * pf_step; o += 64) {
-            __builtin_prefetch(pfk + o, 0, 3);
-            __builtin_prefetch(pfv + o, 0, 3);
+            __builtin_prefetch(pfk + o, 0, PF_L2);
+            __builtin_prefetch(pfv + o, 0, PF_L2);
         }
+        /* the next pair's K rows and this pair's V rows, from L2 into L1 while q.k runs (the
+         * V rows are read by P.V below, column by column, a pattern L1 does not prefetch) */
+        for (int64_t o = (j + 2) * row; o < (j + 4 < ntok ? j + 4 : ntok) * row; o += 64)
+            __builtin_prefetch(k + o, 0, PF_L1);
+        for (int64_t o = j * row; o < (j + 2 < ntok ? j + 2 : ntok) * row; o += 64)
+            __builtin_prefetch(v + o, 0, PF_L1);
         if (j < ntok) {
             /* a row past ntok is never read: the odd token of the last pair reuses row j */
             const char *k0 = k + j * row, *k1 = k + (j + 1 < ntok ? j + 1 : j) * row;
@@ -191,8 +232,10 @@ static inline __attribute__((always_inline)) void attn_chunk(
                 vf k0a, k0b, k1a, k1b;
                 attn_load2(dt, k0 + c * esz, &k0a, &k0b);
                 attn_load2(dt, k1 + c * esz, &k1a, &k1b);
+                PIN(k0a); PIN(k0b); PIN(k1a); PIN(k1b);
                 for (int t = 0; t < T; t++) {
-                    const vf qa = ldf(q + t * d + c), qb = ldf(q + t * d + c + VW);
+                    vf qa = ldf(q + t * d + c), qb = ldf(q + t * d + c + VW);
+                    PIN(qa); PIN(qb);
                     a[t] += qa * k0a;
                     b[t] += qa * k1a;
                     a[t] += qb * k0b;
@@ -213,25 +256,36 @@ static inline __attribute__((always_inline)) void attn_chunk(
             part[t][j + 1] = b[t];
         }
     }
-    vi lane;
-    for (int i = 0; i < VW; i++) lane[i] = i;
-    const vi live = (vi)(lane < ntok);
+    vi live[NSV];
+    for (int i = 0; i < VW; i++)
+        for (int u = 0; u < NSV; u++) live[u][i] = -(u * VW + i < ntok);
     const vf ninf = bcast(-INFINITY);
     for (int t = 0; t < T; t++) {
-        vf s = attn_sum_lanes(part[t]);
-        s = (vf)(((vi)s & live) | ((vi)ninf & ~live));
-        if (attn_any((vi)(s > bcast(m[t] + RESCALE_MARGIN)))) {
-            float mx = s[0];
-            for (int i = 1; i < VW; i++) mx = s[i] > mx ? s[i] : mx;
+        vf s[NSV];
+        vi over = {0};
+        const vf bar = bcast(m[t] + RESCALE_MARGIN);
+        for (int u = 0; u < NSV; u++) {
+            s[u] = attn_sum_lanes(&part[t][u * VW]);
+            s[u] = (vf)(((vi)s[u] & live[u]) | ((vi)ninf & ~live[u]));
+            over |= (vi)(s[u] > bar);
+        }
+        if (attn_any(over)) {
+            float mx = -INFINITY;
+            for (int u = 0; u < NSV; u++)
+                for (int i = 0; i < VW; i++) mx = s[u][i] > mx ? s[u][i] : mx;
             const float alpha = expf(m[t] - mx); /* 0 on the first chunk, where m = -inf */
             m[t] = mx;
             stf(l + t * VW, ldf(l + t * VW) * alpha);
             for (int c = 0; c < d; c += VW) stf(acc + t * d + c, ldf(acc + t * d + c) * alpha);
         }
-        vf e = attn_exp(s - bcast(m[t])); /* padding lanes: exp(-inf) -> ~0, then masked */
-        e = (vf)((vi)e & live);
-        stf(p[t], e);
-        stf(l + t * VW, ldf(l + t * VW) + e);
+        vf sum = ldf(l + t * VW);
+        for (int u = 0; u < NSV; u++) {
+            /* padding lanes: exp(-inf) -> ~0, then masked */
+            const vf e = (vf)((vi)attn_exp(s[u] - bcast(m[t])) & live[u]);
+            stf(&p[t][u * VW], e);
+            sum += e;
+        }
+        stf(l + t * VW, sum);
     }
     int c = 0;
     for (; c < d2; c += 2 * VW) {
@@ -326,32 +380,30 @@ static void attn_task(const moe_attn_args *a, int64_t task, float *qs, float *ac
     const char *kcache = (const char *)a->key_cache, *vcache = (const char *)a->value_cache;
     const int64_t run = (int64_t)bs * d * esz; /* bytes of one (block, KV head) run */
     const int nblocks = (ctx + bs - 1) / bs;
-    /* chunks of VW tokens per block; each prefetches its share of the next block */
-    const int nchunks = (bs + VW - 1) / VW;
+    /* chunks of CH tokens per block; each prefetches its share of the next block */
+    const int nchunks = (bs + CH - 1) / CH;
     const int64_t pf_share = (run + nchunks - 1) / nchunks;
     for (int g = 0; g < group; g++) {
-        for (int i = 0; i < d; i++) {
-            qs[g * d + attn_lane_pos(dt, i, d)] = q[g * d + i] * a->scale;
-            acc[g * d + i] = 0.0f;
-        }
+        attn_to_lanes(dt, q + g * d, qs + g * d, d, a->scale);
         m[g] = -INFINITY;
-        for (int i = 0; i < VW; i++) l[g * VW + i] = 0.0f;
     }
+    memset(acc, 0, sizeof(float) * group * d);
+    memset(l, 0, sizeof(float) * group * VW);
     for (int b = 0; b < nblocks; b++) {
         const int64_t here = ((int64_t)table[b] * n_kv + h) * run;
         /* Blocks are scattered, so the hardware prefetcher restarts at every block; fetching
          * the next block during this one overlaps its DRAM latency with this block's work. */
         const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * n_kv + h) * run : 0;
         const int ntok = ctx - b * bs < bs ? ctx - b * bs : bs;
-        for (int j0 = 0; j0 < ntok; j0 += VW) {
-            const int64_t pf_off = (j0 / VW) * pf_share;
+        for (int j0 = 0; j0 < ntok; j0 += CH) {
+            const int64_t pf_off = (j0 / CH) * pf_share;
             int64_t pf_bytes = b + 1 < nblocks ? run - pf_off : 0;
             pf_bytes = pf_bytes < 0 ? 0 : pf_bytes < pf_share ? pf_bytes : pf_share;
             for (int g = 0; g < group;) {
                 const int tile = attn_tile_heads(group - g);
                 attn_chunk_for(dt, tile)(qs + g * d, kcache + here + (int64_t)j0 * d * esz,
                                          vcache + here + (int64_t)j0 * d * esz,
-                                         ntok - j0 < VW ? ntok - j0 : VW, d, m + g, l + g * VW,
+                                         ntok - j0 < CH ? ntok - j0 : CH, d, m + g, l + g * VW,
                                          acc + g * d, kcache + next + pf_off,
                                          vcache + next + pf_off, (int)pf_bytes);
                 pf_bytes = 0; /* the first tile of the group prefetches for all */
@@ -363,8 +415,7 @@ static void attn_task(const moe_attn_args *a, int64_t task, float *qs, float *ac
         float sum = 0.0f;
         for (int i = 0; i < VW; i++) sum += l[g * VW + i];
         /* ctx == 0 leaves l == 0: the output is defined as zeros (no keys, nothing to attend) */
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int i = 0; i < d; i++) out[g * d + i] = acc[g * d + attn_lane_pos(dt, i, d)] * inv;
+        attn_from_lanes(dt, acc + g * d, out + g * d, d, sum > 0.0f ? 1.0f / sum : 0.0f);
     }
 }
 
