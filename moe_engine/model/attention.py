@@ -4,9 +4,9 @@
 `moe_engine.model.paged_attention` in the ISA build chosen at import (engine.attention =
 auto|cython, on the CPU, when it is built and that build supports the head_dim) or the torch
 reference below (engine.attention = torch, any device, and the fallback of auto). Its `name`
-and `describe()` say which runs. Both paths share the
-cache layout [num_blocks, n_kv, block_size, d] and the slot convention
-block * block_size + offset (negative slots are padding and skipped).
+and `describe()` say which runs. Both paths share the cache layout [num_blocks, n_kv,
+block_size, d] and the slot convention block * block_size + offset (negative slots are padding
+and skipped).
 """
 from __future__ import annotations
 
