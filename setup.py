@@ -1,13 +1,14 @@
 """Build the Cython kernels in kernels_cy/ as extensions of the moe_engine package.
 
-The packed GEMM / expert kernels are compiled once per instruction set (kernels_cy/isa_*.c, each
-with its own -m flags) and linked into one extension; kernels_cy/isa_dispatch.c picks the build
-the running CPU supports, so the result runs on any x86-64 whatever machine built it.
+The packed GEMM / expert kernels and the decode-attention kernel are compiled once per
+instruction set (kernels_cy/isa_*.c, each with its own -m flags) and linked into the extensions
+that dispatch on the ISA; kernels_cy/isa_dispatch.c picks the build the running CPU supports, so
+the result runs on any x86-64 whatever machine built it. Everything else is compiled for the
+baseline ISA (no -march=native).
 
 OpenMP is probed with a tiny compile: where the compiler lacks it (e.g. Apple clang without
 libomp) the kernels still build, single-threaded, and `moe_engine.model.paged_attention.HAS_OPENMP` says so.
-Set MOE_BATCH_NO_OPENMP=1 to force that fallback, MOE_BATCH_NATIVE=0 to drop -march=native
-(for wheels that must run on other CPUs).
+Set MOE_BATCH_NO_OPENMP=1 to force that fallback.
 """
 import os
 import shutil
@@ -18,7 +19,7 @@ import tempfile
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# ISA builds of the packed kernels: (source, compiler flags, macro telling isa_dispatch.c it exists)
+# ISA builds of the kernels: (source, compiler flags, macro telling isa_dispatch.c it exists)
 ISA_BUILDS = [
     ("isa_generic.c", [], None),
     ("isa_avx2.c", ["-mavx2", "-mfma", "-mf16c"], "MOE_BUILT_AVX2"),
@@ -26,7 +27,10 @@ ISA_BUILDS = [
      "MOE_BUILT_AVX512"),
 ]
 # Extensions that link the ISA builds and the dispatcher.
-ISA_EXTENSIONS = {"packed_gemm"}
+ISA_EXTENSIONS = {"packed_gemm", "paged_attention"}
+# Headers the ISA builds include: a change rebuilds them.
+ISA_HEADERS = ["moe_isa.h", "isa_vec.h", "isa_ops_table.h", "packed_gemm_impl.h",
+               "paged_attention_impl.h"]
 
 
 def _compiler_accepts(flags: list[str]) -> bool:
@@ -77,13 +81,9 @@ def _extensions():
 
     base_args = ["-O3", "-fno-math-errno"]
     link_args: list[str] = []
-    native_args = list(base_args)
-    if os.environ.get("MOE_BATCH_NATIVE", "1") == "1" and _compiler_accepts(["-march=native"]):
-        native_args.append("-march=native")
     use_openmp = os.environ.get("MOE_BATCH_NO_OPENMP") != "1" and _compiler_accepts(["-fopenmp"])
     if use_openmp:
         base_args.append("-fopenmp")
-        native_args.append("-fopenmp")
         link_args.append("-fopenmp")
     else:
         print("moe-batch: building kernels WITHOUT OpenMP (single-threaded)", file=sys.stderr)
@@ -91,7 +91,7 @@ def _extensions():
         if os.path.isdir("kernels_cy") else []
     builds = _isa_builds()
     isa_macros = [(macro, "1") for _, _, macro in builds if macro]
-    headers = [os.path.join("kernels_cy", f) for f in ("moe_isa.h", "packed_gemm_impl.h")] \
+    headers = [os.path.join("kernels_cy", f) for f in ISA_HEADERS] \
         + [os.path.join("kernels_cy", src) for src, _, _ in builds]
     exts = []
     for name in sources:
@@ -102,9 +102,9 @@ def _extensions():
             [os.path.join("kernels_cy", name)]
             + ([os.path.join("kernels_cy", "isa_dispatch.c")] if with_isa else []),
             include_dirs=[numpy.get_include(), "kernels_cy"],
-            # The dispatching extensions are built for the baseline ISA: only their ISA objects
-            # use wider instructions, behind the CPUID check.
-            extra_compile_args=base_args if with_isa else native_args,
+            # Built for the baseline ISA: only the ISA objects use wider instructions, behind
+            # the CPUID check.
+            extra_compile_args=base_args,
             extra_link_args=link_args,
             define_macros=[("MOE_HAS_OPENMP", "1" if use_openmp else "0"),
                            ("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
@@ -115,6 +115,7 @@ def _extensions():
             IsaBuildExt.isa_plans[ext.name] = (builds, base_args)
         exts.append(ext)
     return cythonize(exts, language_level=3, compile_time_env={"HAS_OPENMP": use_openmp},
+                     include_path=["kernels_cy"],
                      compiler_directives={"boundscheck": False, "wraparound": False,
                                           "cdivision": True, "initializedcheck": False})
 

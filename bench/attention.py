@@ -12,15 +12,19 @@ copies), so the data touched between two reads of the same byte exceeds the cach
 
   .venv/bin/python bench/attention.py                      # full grid, ~3 minutes on 2 cores
   .venv/bin/python bench/attention.py --batch 64 --context 2048 --dtype bf16
+  .venv/bin/python bench/attention.py --isa avx2           # force an ISA build (or MOE_BATCH_ISA)
+
+The header names the CPU, its relevant flags and the ISA build of the kernel that ran; the read
+roof is always measured with the widest vectors the CPU has.
 
 The last line is machine-readable, for the target shape (batch 64 x context 2048, bf16):
-  RESULT kernel_gbps=<x> read_gbps=<y> bw_fraction=<x/y> vs_sdpa=<kernel speed / sdpa speed>
+  RESULT kernel_gbps=<x> read_gbps=<y> bw_fraction=<x/y> vs_sdpa=<kernel speed / sdpa speed> isa=<build>
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
-import platform
 import sys
 import time
 
@@ -28,26 +32,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moe_engine.model import paged_attention as kernels  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+# moe_engine.model.paged_attention, imported in main() once MOE_BATCH_ISA is set
+kernels = None
 
 
 def read_gbps(buf: torch.Tensor, threads: int) -> float:
     """One timed read pass over buf (fp32) with the extension's vectorized sum."""
     t0 = time.perf_counter()
-    kernels._ext.read_sum(buf.data_ptr(), buf.numel(), threads)
+    kernels.read_sum(buf, threads)
     return buf.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
@@ -144,12 +138,24 @@ def main() -> None:
     ap.add_argument("--stream-mib", type=int, default=2048,
                     help="read-bandwidth buffer (must exceed the last-level cache)")
     ap.add_argument("--target", default="64x2048:bf16", help="BATCHxCONTEXT:DTYPE for RESULT")
+    ap.add_argument("--isa", choices=["generic", "avx2", "avx512"],
+                    help="run this ISA build of the kernel (sets MOE_BATCH_ISA; default: CPUID)")
     args = ap.parse_args()
+    if args.isa:
+        os.environ["MOE_BATCH_ISA"] = args.isa  # the build is chosen once, at import
+    global kernels
+    kernels = importlib.import_module("moe_engine.model.paged_attention")
+    from moe_engine.model.attention import DecodeAttention
+    from moe_engine.tools.machine_info import header
+
     if not kernels.HAS_CYTHON_KERNELS:
         raise SystemExit("the Cython kernel is not built: python setup.py build_ext --inplace")
     torch.set_num_threads(args.threads)
-    print(f"# {cpu_model()}, {os.cpu_count()} cpus, threads={args.threads}, torch {torch.__version__}, "
-          f"openmp={kernels.HAS_OPENMP}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    path = DecodeAttention("cython", head_dim=args.head_dim).describe()
+    print(header(args.threads))
+    print(f"# attention path: {path}"
+          + (" (forced by MOE_BATCH_ISA)" if os.environ.get("MOE_BATCH_ISA") else " (CPUID)")
+          + f", openmp={kernels.HAS_OPENMP}")
     print(f"# q_heads={args.q_heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
           f"block_size={args.block_size} repeats={args.repeats} (best of, interleaved) "
           f"rotate={args.rotate} "
@@ -190,7 +196,8 @@ def main() -> None:
         raise SystemExit(f"target {args.target} was not in the grid")
     k = row["kernel"]
     print(f"RESULT kernel_gbps={k['gbps']:.2f} read_gbps={row['read']:.2f} "
-          f"bw_fraction={k['gbps'] / row['read']:.3f} vs_sdpa={row['sdpa']['s'] / k['s']:.2f}")
+          f"bw_fraction={k['gbps'] / row['read']:.3f} vs_sdpa={row['sdpa']['s'] / k['s']:.2f} "
+          f"isa={kernels.ISA}")
 
 
 if __name__ == "__main__":

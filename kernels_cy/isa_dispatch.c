@@ -34,6 +34,11 @@ int moe_isa_best(void) {
     return MOE_ISA_GENERIC;
 }
 
+const char *moe_isa_name(int isa) {
+    static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avx512"};
+    return isa >= 0 && isa < MOE_ISA_COUNT ? names[isa] : "unknown";
+}
+
 const moe_isa_ops *moe_isa_get(int isa) {
     if (!moe_isa_supported(isa)) return NULL;
     switch (isa) {

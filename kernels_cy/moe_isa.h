@@ -1,7 +1,8 @@
 /* Run-time ISA dispatch for the CPU kernels: the interface every ISA build implements.
  *
- * kernels_cy/isa_<name>.c compiles the same templates (packed_gemm_impl.h) once per
- * instruction set with that set's flags (setup.py), each defining one moe_isa_ops table;
+ * kernels_cy/isa_<name>.c compiles the same templates (packed_gemm_impl.h,
+ * paged_attention_impl.h) once per instruction set with that set's flags (setup.py), each
+ * defining one moe_isa_ops table (isa_ops_table.h);
  * isa_dispatch.c picks the best table the running CPU supports (CPUID) when the extension loads,
  * so one build runs at the machine's roofs on an AVX2-only EPYC and on an AVX-512 Xeon alike,
  * and never executes an instruction the CPU lacks.
@@ -28,6 +29,7 @@
 #define MOE_NR 32
 #define MOE_I4_GROUP 32
 
+/* Storage dtypes of packed weights; KV caches use the first three. */
 enum moe_wdtype { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4 };
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
 enum moe_isa { MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_COUNT = 3 };
@@ -47,6 +49,21 @@ typedef struct {
     moe_packed w13, w2;
 } moe_expert;
 
+/* One decode-attention call (paged_attention_impl.h): one new query token per sequence against
+ * its cached keys and values. Cache layout, one layer: [num_blocks, n_kv_heads, block_size,
+ * head_dim], so a (block, KV head) is one contiguous run. Query heads h*G..h*G+G-1 share KV
+ * head h (G = n_q_heads / n_kv_heads). */
+typedef struct {
+    const float *query; /* [num_seqs, n_q_heads, head_dim] fp32 */
+    float *out;         /* [num_seqs, n_q_heads, head_dim] fp32 */
+    const void *key_cache, *value_cache;
+    const int32_t *block_tables; /* [num_seqs, max_blocks_per_seq] */
+    const int32_t *context_lens; /* [num_seqs] */
+    int num_seqs, n_q_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq;
+    int dtype; /* MOE_W_F32, MOE_W_BF16 or MOE_W_F16 */
+    float scale; /* multiplies q.k */
+} moe_attn_args;
+
 typedef struct {
     const char *name;
     int lanes; /* fp32 lanes of one vector */
@@ -65,6 +82,14 @@ typedef struct {
                     int32_t *iwork, int nthreads);
     /* FLOP/s probe: n iterations of 12 FMA chains per thread; returns a checksum. */
     double (*fma_probe)(int64_t n, int nthreads);
+    /* Paged decode attention, one task per (sequence, KV head) on nthreads threads; head_dim a
+     * multiple of `lanes`; block ids and context lengths already checked by the caller (they
+     * index memory). fp32 online softmax and accumulation; a sequence with no context gets
+     * zeros; a sequence's result does not depend on the others of the call nor on nthreads.
+     * Returns 0, or -2 when per-thread scratch could not be allocated. */
+    int (*decode_attention)(const moe_attn_args *args, int nthreads);
+    /* Read-bandwidth probe: sum of n floats (n a multiple of 65536) on nthreads threads. */
+    double (*read_sum)(const float *p, int64_t n, int nthreads);
 } moe_isa_ops;
 
 extern const moe_isa_ops moe_ops_generic;
@@ -83,6 +108,7 @@ static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) 
 /* Dispatch (isa_dispatch.c). */
 int moe_isa_supported(int isa);
 int moe_isa_best(void);
+const char *moe_isa_name(int isa); /* "generic", "avx2", "avx512" (also for ISAs not built) */
 const moe_isa_ops *moe_isa_get(int isa);
 
 #endif

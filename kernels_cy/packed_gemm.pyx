@@ -7,43 +7,14 @@ CPUID offers, and a code the CPU lacks is refused rather than run (it would faul
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 
-cdef extern from "moe_isa.h" nogil:
-    int MOE_NR
-    int MOE_I4_GROUP
-    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4
-    int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_COUNT
-    int MOE_ACT_NONE, MOE_ACT_SIGMOID
-    ctypedef struct moe_packed:
-        const void *data
-        const float *scale
-        int64_t n
-        int64_t k
-        int dtype
-    ctypedef struct moe_expert:
-        moe_packed w13
-        moe_packed w2
-    ctypedef struct moe_isa_ops:
-        const char *name
-        int lanes
-        void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
-                       const float *bias, int act, float *y, int64_t ldy,
-                       int nthreads) noexcept nogil
-        int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx,
-                       const float *weight, int top_k, const moe_expert *experts, int num_experts,
-                       float *out, float *work, int32_t *iwork, int nthreads) noexcept nogil
-        double (*fma_probe)(int64_t n, int nthreads) noexcept nogil
-    int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I)
-    int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts)
-    int moe_isa_supported(int isa)
-    int moe_isa_best()
-    const moe_isa_ops *moe_isa_get(int isa)
+from moe_isa cimport *
 
 NR = MOE_NR
 I4_GROUP = MOE_I4_GROUP
 W_F32, W_BF16, W_F16, W_I8, W_I4 = MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4
 ISA_GENERIC, ISA_AVX2, ISA_AVX512 = MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512
 ACTIVATIONS = {None: MOE_ACT_NONE, "sigmoid": MOE_ACT_SIGMOID}
-ISA_NAMES = {MOE_ISA_GENERIC: "generic", MOE_ISA_AVX2: "avx2", MOE_ISA_AVX512: "avx512"}
+ISA_NAMES = {isa: moe_isa_name(isa).decode() for isa in range(MOE_ISA_COUNT)}
 
 
 def supported_isas():
@@ -55,16 +26,8 @@ def best_isa():
     return moe_isa_best()
 
 
-cdef const moe_isa_ops *_ops(int isa) except NULL:
-    cdef const moe_isa_ops *ops = moe_isa_get(isa)
-    if ops == NULL:
-        raise ValueError(f"ISA {ISA_NAMES.get(isa, isa)!r} is not supported by this CPU "
-                         f"(supported: {[ISA_NAMES[i] for i in supported_isas()]})")
-    return ops
-
-
 def lanes(int isa):
-    return _ops(isa).lanes
+    return isa_ops(isa).lanes
 
 
 cdef moe_packed _packed(uintptr_t data, uintptr_t scale, int64_t n, int64_t k, int dtype):
@@ -81,7 +44,7 @@ def linear(uintptr_t x, int64_t ldx, int64_t T, uintptr_t w_data, uintptr_t w_sc
            int64_t k, int dtype, uintptr_t bias, int act, uintptr_t y, int64_t ldy, int nthreads,
            int isa):
     """y[t, :n] = act(x[t, :k] @ W^T (+ bias)), fp32 x and y, W packed; releases the GIL."""
-    cdef const moe_isa_ops *ops = _ops(isa)
+    cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef moe_packed w = _packed(w_data, w_scale, n, k, dtype)
     nthreads = max(nthreads, 1)
     with nogil:
@@ -99,7 +62,7 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
             int nthreads, int isa):
     """Routed SwiGLU experts (moe_isa.h). `table` is int64 [num_experts, 10]: for w13 then w2,
     (data, scale, n, k, dtype); data 0 marks an absent expert. Releases the GIL."""
-    cdef const moe_isa_ops *ops = _ops(isa)
+    cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef const int64_t *t = <const int64_t *>table
     cdef moe_expert *experts = <moe_expert *>malloc(sizeof(moe_expert) * max(num_experts, 1))
     cdef int e, rc
@@ -125,7 +88,7 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
 def fma_probe(int64_t n, int nthreads, int isa):
     """Checksum of n iterations of 12 independent FMA chains per thread (the FLOP/s probe:
     n * 12 * lanes * 2 FLOP per thread)."""
-    cdef const moe_isa_ops *ops = _ops(isa)
+    cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef double r
     nthreads = max(nthreads, 1)
     with nogil:

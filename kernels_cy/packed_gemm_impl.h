@@ -1,10 +1,9 @@
 /* Packed-weight GEMM and fused MoE expert FFN: the template every ISA build instantiates.
  *
- * Included by kernels_cy/isa_<name>.c after defining MOE_VW (fp32 lanes per vector: 4, 8 or 16),
- * MOE_MR (token rows per register tile) and MOE_OPS_NAME (the moe_isa_ops table to define);
- * setup.py compiles each of those files with its ISA's flags. GCC/Clang vector extensions keep
- * one source for every width: the compiler emits SSE, AVX2 or AVX-512 instructions from the same
- * expressions. Layouts and the batch-invariance contract are described in moe_isa.h.
+ * Included by kernels_cy/isa_<name>.c after defining MOE_VW (fp32 lanes per vector: 4, 8 or 16)
+ * and MOE_MR (token rows per register tile); setup.py compiles each of those files with its ISA's
+ * flags, and isa_vec.h gives the vectors of that width. Layouts and the batch-invariance
+ * contract are described in moe_isa.h.
  *
  * Register tile: MOE_MR token rows x 2 vectors of output columns. For a k-row of a panel, pass s
  * (of 16 / MOE_VW) loads two weight vectors, columns [s*VW, s*VW+VW) and [16+s*VW, 16+s*VW+VW),
@@ -15,77 +14,20 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
+#include "isa_vec.h"
 #include "moe_isa.h"
 
-#if !defined(MOE_VW) || !defined(MOE_MR) || !defined(MOE_OPS_NAME) || !defined(MOE_ISA_LABEL)
-#error "define MOE_VW, MOE_MR, MOE_OPS_NAME and MOE_ISA_LABEL before including packed_gemm_impl.h"
+#if !defined(MOE_MR)
+#error "define MOE_MR before including packed_gemm_impl.h"
 #endif
 
-/* 64-byte generic vectors without AVX-512 have another ABI; every vector function here is
- * static, so no call crosses it. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-
-#define VW MOE_VW
 #define MR MOE_MR
 #define NPASS (16 / VW)
 /* Tokens per work item: the weight panel stays in cache across an item's row tiles, and the
  * item's activations (TC rows) are re-read from cache once per panel. */
 #define TC 96
 #define SMALL_WORK (1 << 17) /* multiply-adds below which a call stays on one thread */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-typedef uint16_t vh __attribute__((vector_size(VW * 2)));
-typedef int8_t vb __attribute__((vector_size(VW)));
-typedef uint8_t vub __attribute__((vector_size(VW)));
-
-static inline vf ldf(const void *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* v in every lane: one vbroadcastss from memory. (`(vf){0} + v` also adds, since 0 + v is not
- * v for v = -0, and GCC builds a lane loop with inserts.) */
-static inline vf bcast(float v) {
-#if VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_set1_ps(v);
-#elif VW == 8 && defined(__AVX__)
-    return (vf)_mm256_set1_ps(v);
-#elif VW == 4 && defined(__SSE__)
-    return (vf)_mm_set1_ps(v);
-#else
-    vf r;
-    for (int i = 0; i < VW; i++) r[i] = v;
-    return r;
-#endif
-}
-
-/* fp16 -> fp32: F16C/AVX-512 conversions where the build has them, else exponent rebias by a
- * multiplication (exact for normal and subnormal halves; inf/nan get an all-ones exponent). */
-static inline vf cvt_f16(const void *p) {
-#if VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif VW == 8 && defined(__F16C__)
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-    vh raw;
-    memcpy(&raw, p, sizeof raw);
-    vu h = __builtin_convertvector(raw, vu);
-    vu em = (h & 0x7fffu) << 13;
-    vu bits = (vu)((vf)em * 0x1p112f);
-    vu special = (vu)((h & 0x7c00u) == 0x7c00u);
-    bits = (bits & ~special) | ((em | 0x7f800000u) & special);
-    return (vf)(bits | ((h & 0x8000u) << 16));
-#endif
-}
 
 /* VW signed (int8) or unsigned (int4 byte pairs) bytes widened to int32 lanes: one vpmovsxbd /
  * vpmovzxbd where the build has it (GCC scalarizes __builtin_convertvector of byte vectors). */
@@ -126,10 +68,7 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
         *b = ldf(row + (16 + s * VW) * 4);
     } else if (dt == MOE_W_BF16) {
         /* word i holds column i (low half) and column 16+i (high half) */
-        vu w;
-        memcpy(&w, row + s * VW * 4, sizeof w);
-        *a = (vf)(w << 16);
-        *b = (vf)(w & 0xffff0000u);
+        cvt_bf16_halves(row + s * VW * 4, a, b);
     } else if (dt == MOE_W_F16) {
         *a = cvt_f16(row + s * VW * 2);
         *b = cvt_f16(row + (16 + s * VW) * 2);
@@ -460,11 +399,3 @@ static double fma_probe_impl(int64_t n, int nthreads) {
     }
     return total;
 }
-
-const moe_isa_ops MOE_OPS_NAME = {
-    .name = MOE_ISA_LABEL,
-    .lanes = VW,
-    .linear = linear_impl,
-    .moe_ffn = moe_ffn_impl,
-    .fma_probe = fma_probe_impl,
-};

@@ -1,35 +1,20 @@
 """CPU decode attention over a paged KV cache, and the routine that appends K/V rows to it.
 
-Called through moe_engine.kernels, which validates shapes, dtypes and contiguity; the functions
-here trust their arguments except for block and slot indices, which are bounds-checked in a
-cheap pass before the parallel loop (a bad index would otherwise read or write outside the cache).
-
-Cache layout (one layer): [num_blocks, n_kv_heads, block_size, head_dim]. A task handles one
-(sequence, KV head) and all query heads of its GQA group, so it streams, per block, one
-contiguous run of block_size*head_dim elements of K and one of V, each read exactly once.
+Called through moe_engine.model.paged_attention, which validates shapes, dtypes and contiguity;
+the functions here trust their arguments except for block and slot indices, which are
+bounds-checked in a cheap pass before the parallel loop (a bad index would otherwise read or
+write outside the cache). The attention itself runs in the ISA build named by the caller's ISA
+code (kernels_cy/paged_attention_impl.h, one build per ISA, see moe_isa.h); a code the CPU lacks
+is refused.
 """
-from cython.parallel cimport parallel, prange
 from libc.stdint cimport int32_t, int64_t, uintptr_t
-from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
-from libc.math cimport INFINITY
 
-cdef extern from "paged_attention_simd.h" nogil:
-    int MOE_DT_F32
-    int MOE_DT_BF16
-    int MOE_DT_F16
-    int MOE_LANES
-    int moe_tile_heads(int remaining)
-    int moe_bf16_order(int i, int d)
-    double moe_read_sum(const float *p, int64_t n)
-    void moe_attend_chunk(int dtype, int tile, const float *q, const void *k, const void *v,
-                          int ntok, int d, float *m, float *l, float *acc, const char *pfk,
-                          const char *pfv, int pf_bytes)
+from moe_isa cimport MOE_W_BF16, MOE_W_F16, MOE_W_F32, isa_ops, moe_attn_args, moe_isa_ops
 
-DTYPE_F32 = MOE_DT_F32
-DTYPE_BF16 = MOE_DT_BF16
-DTYPE_F16 = MOE_DT_F16
-HEAD_DIM_MULTIPLE = MOE_LANES
+DTYPE_F32 = MOE_W_F32
+DTYPE_BF16 = MOE_W_BF16
+DTYPE_F16 = MOE_W_F16
 
 cdef extern from *:
     """
@@ -42,104 +27,32 @@ cdef extern from *:
 OPENMP_ENABLED = bool(MOE_HAS_OPENMP)  # False: built without OpenMP, num_threads is ignored
 
 
-cdef inline int _esize(int dtype) noexcept nogil:
-    return 4 if dtype == MOE_DT_F32 else 2
-
-
-cdef void _attend_task(const float *q, float *out, const char *kcache, const char *vcache,
-                       const int32_t *table, int ctx, int block_size, int n_kv, int kv_head,
-                       int group, int d, int dtype, float scale,
-                       float *qs, float *acc, float *m, float *l) noexcept nogil:
-    """One (sequence, KV head): q and out are [group, d] fp32; the rest is per-thread scratch."""
-    cdef int i, g, b, j0, ntok, tile, pos
-    cdef float inv
-    cdef int esize = _esize(dtype)
-    cdef int64_t run = <int64_t>block_size * d * esize  # bytes of one (block, KV head) run
-    cdef int nblocks = (ctx + block_size - 1) // block_size
-    cdef const char *kb
-    cdef const char *vb
-    cdef const char *pfk
-    cdef const char *pfv
-    cdef int64_t nxt
-    # chunks of up to 16 tokens per block; each prefetches its share of the next block
-    cdef int nchunks = (block_size + MOE_LANES - 1) // MOE_LANES
-    cdef int pf_share = <int>((run + nchunks - 1) // nchunks)
-    cdef int pf_bytes
-    # q and acc live in the storage's lane order (a permutation within groups of 32 for bf16,
-    # see moe_load2_bf16), so the loads of K and V need no shuffles.
-    for g in range(group):
-        for i in range(d):
-            pos = moe_bf16_order(i, d) if dtype == MOE_DT_BF16 else i
-            qs[g * d + pos] = q[g * d + i] * scale
-            acc[g * d + i] = 0.0
-    for g in range(group):
-        m[g] = -INFINITY
-    for i in range(group * MOE_LANES):
-        l[i] = 0.0
-    for b in range(nblocks):
-        kb = kcache + (<int64_t>table[b] * n_kv + kv_head) * run
-        vb = vcache + (<int64_t>table[b] * n_kv + kv_head) * run
-        # Blocks are scattered, so the hardware prefetcher restarts at every block; fetching the
-        # next block during this one overlaps its DRAM latency with this block's arithmetic.
-        nxt = (<int64_t>table[b + 1] * n_kv + kv_head) * run if b + 1 < nblocks else 0
-        ntok = ctx - b * block_size
-        if ntok > block_size:
-            ntok = block_size
-        j0 = 0
-        while j0 < ntok:
-            pfk = kcache + nxt + (j0 // MOE_LANES) * pf_share
-            pfv = vcache + nxt + (j0 // MOE_LANES) * pf_share
-            pf_bytes = 0
-            if b + 1 < nblocks:
-                pf_bytes = <int>min(<int64_t>pf_share, run - (j0 // MOE_LANES) * pf_share)
-            g = 0
-            while g < group:
-                tile = moe_tile_heads(group - g)
-                moe_attend_chunk(dtype, tile, qs + g * d,
-                                 kb + <int64_t>j0 * d * esize, vb + <int64_t>j0 * d * esize,
-                                 min(MOE_LANES, ntok - j0), d, m + g, l + g * MOE_LANES,
-                                 acc + g * d, pfk, pfv, pf_bytes)
-                pf_bytes = 0  # the first tile of the group prefetches for all
-                g = g + tile
-            j0 = j0 + MOE_LANES
-    for g in range(group):
-        inv = 0.0
-        for i in range(MOE_LANES):
-            inv = inv + l[g * MOE_LANES + i]
-        # ctx == 0 leaves l == 0: the output is defined as zeros (no keys, nothing to attend to)
-        inv = 1.0 / inv if inv > 0.0 else 0.0
-        for i in range(d):
-            pos = moe_bf16_order(i, d) if dtype == MOE_DT_BF16 else i
-            out[g * d + i] = acc[g * d + pos] * inv
+def head_dim_multiple(int isa):
+    """head_dim must be a multiple of this (the ISA's fp32 lanes) for the kernel to run."""
+    return isa_ops(isa).lanes
 
 
 def decode_attention(uintptr_t query, uintptr_t out, uintptr_t key_cache, uintptr_t value_cache,
                      uintptr_t block_tables, uintptr_t context_lens, int num_seqs, int n_q_heads,
                      int n_kv_heads, int head_dim, int num_blocks, int block_size,
-                     int max_blocks_per_seq, int dtype, float scale, int num_threads):
+                     int max_blocks_per_seq, int dtype, float scale, int num_threads, int isa):
     """Paged decode attention on raw pointers of contiguous tensors.
 
     query/out: fp32 [num_seqs, n_q_heads, head_dim]; caches [num_blocks, n_kv_heads, block_size,
     head_dim] in `dtype` (DTYPE_*); block_tables int32 [num_seqs, max_blocks_per_seq];
     context_lens int32 [num_seqs]. Releases the GIL; num_threads >= 1 OpenMP threads.
     """
-    cdef const float *q = <const float *>query
-    cdef float *o = <float *>out
-    cdef const char *kc = <const char *>key_cache
-    cdef const char *vc = <const char *>value_cache
+    cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef const int32_t *bt = <const int32_t *>block_tables
     cdef const int32_t *cl = <const int32_t *>context_lens
-    cdef int group = n_q_heads // n_kv_heads
-    cdef int ntasks = num_seqs * n_kv_heads
-    cdef int task, s, h, b, nb, blk, bad = -1
-    cdef int alloc_failed = 0
-    cdef int *alloc_failed_p = &alloc_failed  # written through a pointer: shared, not private
-    cdef float *scratch = NULL
-    cdef int scratch_floats = 2 * group * head_dim + group + group * MOE_LANES
-    if dtype != MOE_DT_F32 and dtype != MOE_DT_BF16 and dtype != MOE_DT_F16:
+    cdef int s, b, nb, blk, bad = -1, rc
+    cdef moe_attn_args args
+    if dtype != MOE_W_F32 and dtype != MOE_W_BF16 and dtype != MOE_W_F16:
         raise ValueError(f"unknown storage dtype code {dtype}")
-    if head_dim % MOE_LANES != 0 or n_q_heads % n_kv_heads != 0:
-        raise ValueError("head_dim must be a multiple of 16 and n_q_heads of n_kv_heads")
+    if head_dim <= 0 or head_dim % ops.lanes != 0 or n_kv_heads <= 0 \
+            or n_q_heads % n_kv_heads != 0:
+        raise ValueError(f"head_dim must be a multiple of {ops.lanes} on {ops.name.decode()} "
+                         "and n_q_heads of n_kv_heads")
     with nogil:
         for s in range(num_seqs):
             nb = (cl[s] + block_size - 1) // block_size
@@ -157,26 +70,23 @@ def decode_attention(uintptr_t query, uintptr_t out, uintptr_t key_cache, uintpt
         raise ValueError(f"sequence {bad}: context length {cl[bad]} or one of its block ids is "
                          f"out of range (num_blocks={num_blocks}, block_size={block_size}, "
                          f"max_blocks_per_seq={max_blocks_per_seq})")
-    if num_threads < 1:
-        num_threads = 1
-    with nogil, parallel(num_threads=num_threads):
-        # per-thread scratch: qs [group*d], acc [group*d], m [group], l [group*16]
-        scratch = <float *>malloc(scratch_floats * sizeof(float))
-        if scratch != NULL:
-            # Dynamic scheduling: context lengths differ, so equal task counts are unequal work.
-            for task in prange(ntasks, schedule="dynamic", chunksize=1):
-                s = task // n_kv_heads
-                h = task - s * n_kv_heads
-                _attend_task(q + (<int64_t>s * n_q_heads + h * group) * head_dim,
-                             o + (<int64_t>s * n_q_heads + h * group) * head_dim,
-                             kc, vc, bt + <int64_t>s * max_blocks_per_seq, cl[s], block_size,
-                             n_kv_heads, h, group, head_dim, dtype, scale,
-                             scratch, scratch + group * head_dim,
-                             scratch + 2 * group * head_dim, scratch + 2 * group * head_dim + group)
-            free(scratch)
-        else:
-            alloc_failed_p[0] = 1
-    if alloc_failed:
+    args.query = <const float *>query
+    args.out = <float *>out
+    args.key_cache = <const void *>key_cache
+    args.value_cache = <const void *>value_cache
+    args.block_tables = bt
+    args.context_lens = cl
+    args.num_seqs = num_seqs
+    args.n_q_heads = n_q_heads
+    args.n_kv_heads = n_kv_heads
+    args.head_dim = head_dim
+    args.block_size = block_size
+    args.max_blocks_per_seq = max_blocks_per_seq
+    args.dtype = dtype
+    args.scale = scale
+    with nogil:
+        rc = ops.decode_attention(&args, max(num_threads, 1))
+    if rc != 0:
         raise MemoryError("decode_attention: per-thread scratch allocation failed")
 
 
@@ -216,17 +126,14 @@ def write_kv(uintptr_t key_cache, uintptr_t value_cache, uintptr_t key, uintptr_
                 memcpy(vc + dst, vs + src, row)
 
 
-def read_sum(uintptr_t data, int64_t n, int num_threads):
+def read_sum(uintptr_t data, int64_t n, int num_threads, int isa):
     """Sum of n fp32 values (n a multiple of 2**16) read by num_threads threads in 256 KiB
-    pieces: the benchmark's STREAM-like read pass, built with the same compiler, flags and
-    OpenMP runtime as the attention kernel so the two are comparable."""
-    cdef const float *p = <const float *>data
-    cdef int64_t piece = 1 << 16
-    cdef int64_t i, npieces = n // piece
-    cdef double total = 0.0
-    if n % piece != 0:
+    pieces with the ISA's vectors: the benchmark's STREAM-like read pass, built with the same
+    compiler, flags and OpenMP runtime as the attention kernel so the two are comparable."""
+    cdef const moe_isa_ops *ops = isa_ops(isa)
+    cdef double total
+    if n % (1 << 16) != 0:
         raise ValueError("read_sum: n must be a multiple of 65536")
     with nogil:
-        for i in prange(npieces, schedule="static", num_threads=max(num_threads, 1)):
-            total += moe_read_sum(p + i * piece, piece)
+        total = ops.read_sum(<const float *>data, n, max(num_threads, 1))
     return total

@@ -1,4 +1,5 @@
-"""CPU decode attention kernel (kernels_cy/paged_attention.pyx) against an fp64 reference.
+"""CPU decode attention kernel (kernels_cy/paged_attention_impl.h, one build per ISA) against an
+fp64 reference, on every ISA build this CPU can run.
 
 The reference below is written independently of moe_engine.model.paged_attention: one sequence and one query
 head at a time, in float64, from the same (dtype-rounded) cache contents the kernel reads. CI
@@ -6,6 +7,9 @@ builds the extension first, so a missing build fails here instead of being skipp
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -17,8 +21,10 @@ from moe_engine.model.paged_attention import paged_decode_attention, write_kv
 
 BLOCK = 16
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# 1, block_size-1, block_size, block_size+1 and a few thousand tokens
-CONTEXTS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 2500]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+ISAS = kernels.supported_isas()
+# empty, 1, block_size-1, block_size, block_size+1 and a few thousand tokens
+CONTEXTS = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2500]
 
 
 def fp64_attention(query, key_cache, value_cache, block_tables, context_lens, scale):
@@ -57,53 +63,118 @@ def make_inputs(contexts, n_kv, group, d, dtype, block_size=BLOCK, seed=0, q_std
     return query, key_cache, value_cache, tables, torch.tensor(contexts, dtype=torch.int32)
 
 
-def run_poisoned(query, key_cache, value_cache, tables, lens, scale, num_threads=0):
+def run_poisoned(query, key_cache, value_cache, tables, lens, scale, num_threads=0, isa=None):
     out = torch.full(query.shape, float("nan"), dtype=query.dtype)
     res = paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, out=out,
-                                 num_threads=num_threads)
+                                 num_threads=num_threads, isa=isa)
     assert res is out
     return out
 
 
 def test_kernel_extension_is_built():
     assert kernels.HAS_CYTHON_KERNELS, "build it: python setup.py build_ext --inplace"
+    assert kernels.ISA in ISAS and ISAS[0] == "generic"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_attention_matches_fp64_reference(dtype, group, head_dim):
+def test_decode_attention_matches_fp64_reference(isa, dtype, group, head_dim):
     query, kc, vc, tables, lens = make_inputs(CONTEXTS, n_kv=2, group=group, d=head_dim,
                                               dtype=dtype, seed=group * 1000 + head_dim)
     scale = head_dim ** -0.5
-    out = run_poisoned(query, kc, vc, tables, lens, scale)
+    out = run_poisoned(query, kc, vc, tables, lens, scale, isa=isa)
     ref = fp64_attention(query, kc, vc, tables, lens, scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no context: zeros, by definition
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("block_size,head_dim,group", [(8, 80, 2), (32, 48, 3), (48, 96, 6)])
-def test_odd_block_sizes_head_dims_and_groups(dtype, block_size, head_dim, group):
-    # block_size 8 (< one 16-token chunk), 32 and 48 (several chunks per block); head_dim 80
-    # and 48 end in a half group of 16 lanes; groups 3 and 6 split into tiles of 2+1 and 4+2.
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size,width_multiple,group", [(8, 5, 2), (32, 3, 3), (48, 6, 6),
+                                                             (16, 2, 5), (16, 4, 7)])
+def test_odd_block_sizes_head_dims_and_groups(isa, dtype, block_size, width_multiple, group):
+    # block_size 8 (less than one chunk of tokens on AVX-512), 32 and 48 (several chunks per
+    # block); head_dims that are odd multiples of the ISA's vector width end in a half group;
+    # groups 3, 5, 6, 7 split into several head tiles (2+1, 4+1, 4+2 or 8-wide, 4+2+1).
+    head_dim = width_multiple * kernels.head_dim_multiple(isa)
     contexts = [1, block_size - 1, block_size, block_size + 1, 700]
     query, kc, vc, tables, lens = make_inputs(contexts, n_kv=2, group=group, d=head_dim,
                                               dtype=dtype, block_size=block_size, seed=block_size)
-    out = run_poisoned(query, kc, vc, tables, lens, 0.3)
+    out = run_poisoned(query, kc, vc, tables, lens, 0.3, isa=isa)
     ref = fp64_attention(query, kc, vc, tables, lens, 0.3)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_one_and_two_threads_give_identical_results(dtype):
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_one_and_two_threads_give_identical_results(isa, dtype):
     query, kc, vc, tables, lens = make_inputs([3, 17, 400, 1000, 33, 2] * 3, n_kv=4, group=4,
                                               d=128, dtype=dtype, seed=7)
-    one = run_poisoned(query, kc, vc, tables, lens, 0.1, num_threads=1)
-    two = run_poisoned(query, kc, vc, tables, lens, 0.1, num_threads=2)
+    one = run_poisoned(query, kc, vc, tables, lens, 0.1, num_threads=1, isa=isa)
+    two = run_poisoned(query, kc, vc, tables, lens, 0.1, num_threads=2, isa=isa)
     assert torch.equal(one, two)
 
 
-def test_rising_scores_force_many_rescales():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_sequences_output_is_the_same_alone_and_in_a_batch(isa, dtype):
+    contexts = [700, 0, 1, 17, 333, 16, 1200]
+    query, kc, vc, tables, lens = make_inputs(contexts, n_kv=2, group=4, d=64, dtype=dtype,
+                                              seed=13)
+    batch = run_poisoned(query, kc, vc, tables, lens, 0.125, num_threads=2, isa=isa)
+    for s in range(len(contexts)):
+        alone = run_poisoned(query[s:s + 1].contiguous(), kc, vc, tables[s:s + 1].contiguous(),
+                             lens[s:s + 1].contiguous(), 0.125, num_threads=1, isa=isa)
+        assert torch.equal(alone[0], batch[s]), f"sequence {s} (context {contexts[s]})"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_unavailable_says_truthfully_which_head_dims_run(isa):
+    multiple = kernels.head_dim_multiple(isa)
+    assert multiple == {"generic": 4, "avx2": 8, "avx512": 16}[isa]
+    for head_dim in (4, 8, 12, 16, 24, 40, 48, 64, 72, 80):
+        reason = kernels.kernel_unavailable(head_dim, isa)
+        query, kc, vc, tables, lens = make_inputs([1, 40], n_kv=1, group=2, d=head_dim,
+                                                  dtype=torch.bfloat16, seed=head_dim)
+        if head_dim % multiple:
+            assert reason is not None and f"head_dim {head_dim}" in reason
+            with pytest.raises(RuntimeError, match=f"head_dim {head_dim}"):
+                paged_decode_attention(query, kc, vc, tables, lens, 0.2, isa=isa)
+        else:
+            assert reason is None
+            out = paged_decode_attention(query, kc, vc, tables, lens, 0.2, isa=isa)
+            torch.testing.assert_close(out.double(), fp64_attention(query, kc, vc, tables, lens,
+                                                                    0.2), rtol=1e-4, atol=2e-5)
+
+
+def test_unsupported_isa_is_refused_not_run():
+    query, kc, vc, tables, lens = make_inputs([5], n_kv=1, group=1, d=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="not supported"):
+        paged_decode_attention(query, kc, vc, tables, lens, 0.1, isa="sve")
+    assert "not supported" in kernels.kernel_unavailable(64, "sve")
+
+
+def test_moe_batch_isa_forces_the_build_that_runs_and_describe_names_it():
+    # a fresh interpreter: the ISA is chosen once, at import
+    code = ("from moe_engine.model.attention import DecodeAttention; "
+            "from moe_engine.model import paged_attention as k; "
+            "print(k.ISA, DecodeAttention('auto', head_dim=64).describe())")
+    for isa in ISAS:
+        env = dict(os.environ, MOE_BATCH_ISA=isa)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out == [isa, "cython", isa]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_read_probe_sums_every_element(isa):
+    assert kernels.read_sum(torch.ones(4 << 16), threads=2, isa=isa) == 4 << 16
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rising_scores_force_many_rescales(isa):
     # scores climb by ~150 across the context (|q| ~ 16), far more than the lazy-rescale
     # margin: the running max must move many times without overflow or lost mass
     n_kv, group, d, ctx = 1, 4, 64, 600
@@ -114,15 +185,16 @@ def test_rising_scores_force_many_rescales():
     flat = torch.zeros(len(blocks) * BLOCK, d)
     flat[:ctx] = ramp[:, None] * direction + 0.01 * torch.randn(ctx, d)
     kc[blocks, 0] = flat.view(len(blocks), BLOCK, d)
-    out = run_poisoned(query, kc, vc, tables, lens, 1.0)
+    out = run_poisoned(query, kc, vc, tables, lens, 1.0, isa=isa)
     ref = fp64_attention(query, kc, vc, tables, lens, 1.0)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
 
 
-def test_empty_context_gives_zeros():
+@pytest.mark.parametrize("isa", ISAS)
+def test_empty_context_gives_zeros(isa):
     query, kc, vc, tables, lens = make_inputs([0, 5], n_kv=2, group=2, d=64, dtype=torch.float32)
-    out = run_poisoned(query, kc, vc, tables, lens, 0.125)
+    out = run_poisoned(query, kc, vc, tables, lens, 0.125, isa=isa)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     torch.testing.assert_close(out[1].double(), fp64_attention(query, kc, vc, tables, lens,
                                                                0.125)[1], rtol=1e-4, atol=2e-5)
@@ -139,15 +211,16 @@ def test_query_in_cache_dtype_returns_that_dtype(dtype):
 
 
 def test_head_dim_off_the_vector_width_dispatches_to_the_torch_path_and_says_so():
-    query, kc, vc, tables, lens = make_inputs([1, 17, 90], n_kv=2, group=2, d=24,
+    # 6 is a multiple of no ISA's vector width (4, 8, 16)
+    query, kc, vc, tables, lens = make_inputs([1, 17, 90], n_kv=2, group=2, d=6,
                                               dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="head_dim 24"):  # the kernel never falls back itself
+    with pytest.raises(RuntimeError, match="head_dim 6"):  # the kernel never falls back itself
         paged_decode_attention(query, kc, vc, tables, lens, 0.2)
-    with pytest.raises(RuntimeError, match="head_dim 24"):
-        DecodeAttention("cython", head_dim=24)
-    attention = DecodeAttention("auto", head_dim=24)
-    assert attention.name == "torch" and "head_dim 24" in attention.describe()
-    assert DecodeAttention("auto", head_dim=64).describe() == "cython"
+    with pytest.raises(RuntimeError, match="head_dim 6"):
+        DecodeAttention("cython", head_dim=6)
+    attention = DecodeAttention("auto", head_dim=6)
+    assert attention.name == "torch" and "head_dim 6" in attention.describe()
+    assert DecodeAttention("auto", head_dim=64).describe() == f"cython {kernels.ISA}"
     out = attention(query, kc, vc, tables, lens, 0.2)
     torch.testing.assert_close(out.double(), fp64_attention(query, kc, vc, tables, lens, 0.2),
                                rtol=1e-4, atol=2e-5)

@@ -34,7 +34,7 @@ def test_profile_measures_every_shape_and_the_machine(tiny, tiny_profile):
     for key in ("cpu_bw_gbps", "link_gbps", "device_tflops", "cpu_attention_gbps", "op_overhead_us",
                 "host_step_us", "host_seq_us", "host_token_us"):
         assert on_disk[key] > 0, key
-    assert on_disk["attention_kernel"] in ("cython", "torch")
+    assert on_disk["attention_kernel"].split()[0] in ("cython", "torch")
     assert on_disk["profile_seconds"] < 60
 
 

@@ -143,7 +143,8 @@ class LLMEngine:
 
     @property
     def attention_path(self) -> str:
-        """What runs decode attention, and why when it is the fallback (for stats/benchmarks)."""
+        """What runs decode attention ('cython avx2', ...), and why when it is the fallback (for
+        stats/benchmarks)."""
         return self.runner.attention.describe()
 
     def generate(self, requests: Iterable[Request]) -> Iterator[RequestResult]:

@@ -1,11 +1,12 @@
 """Attention for packed tokens: causal prefill per sequence, decode over the paged KV cache.
 
 `DecodeAttention` is the one place that chooses the decode path: the Cython kernel of
-`moe_engine.model.paged_attention` (engine.attention = auto|cython, on the CPU, when it is built
-and supports the head_dim) or the torch reference below (engine.attention = torch, any device,
-and the fallback of auto). Its `name` and `describe()` say which runs. Both paths share the
-cache layout [num_blocks, n_kv, block_size, d] and the slot convention
-block * block_size + offset (negative slots are padding and skipped).
+`moe_engine.model.paged_attention` in the ISA build chosen at import (engine.attention =
+auto|cython, on the CPU, when it is built and that build supports the head_dim) or the torch
+reference below (engine.attention = torch, any device, and the fallback of auto). Its `name`
+and `describe()` say which runs. Both paths share the cache layout [num_blocks, n_kv,
+block_size, d] and the slot convention block * block_size + offset (negative slots are padding
+and skipped).
 """
 from __future__ import annotations
 
@@ -93,9 +94,10 @@ def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
 class DecodeAttention:
     """The decode-attention path chosen from engine.attention ('auto'|'cython'|'torch').
 
-    'auto' takes the Cython kernel when it can run the model (built, head_dim supported) and
-    the torch reference otherwise; 'cython' fails instead of falling back. `name` is the path
-    that runs, `describe()` adds why the fallback was taken.
+    'auto' takes the Cython kernel when it can run the model (built, head_dim supported by the
+    ISA build chosen at import) and the torch reference otherwise; 'cython' fails instead of
+    falling back. `name` is the path that runs ('cython' or 'torch'), `isa` the kernel's ISA
+    build (None on torch), `describe()` both, or why the fallback was taken.
     """
 
     def __init__(self, impl: str = "auto", num_threads: int = 0,
@@ -107,6 +109,7 @@ class DecodeAttention:
         self.write_kv: Callable = torch_write_kv
         self.decode: Callable = torch_paged_decode_attention
         self.name = "torch"
+        self.isa: Optional[str] = None
         self.fallback_reason: Optional[str] = None
         if impl == "torch":
             return
@@ -117,13 +120,17 @@ class DecodeAttention:
             self.write_kv = kernels.write_kv
             self.decode = kernels.paged_decode_attention
             self.name = "cython"
+            self.isa = kernels.ISA
         elif impl == "cython":
             raise RuntimeError(f"engine.attention=cython but {reason}")
         else:
             self.fallback_reason = reason
 
     def describe(self) -> str:
-        """The path that runs, e.g. 'cython' or 'torch (the Cython kernels are not built)'."""
+        """The path that runs, e.g. 'cython avx2' or 'torch (the Cython kernels are not
+        built)'."""
+        if self.isa is not None:
+            return f"{self.name} {self.isa}"
         return self.name if self.fallback_reason is None else (
             f"{self.name} ({self.fallback_reason})")
 

@@ -227,7 +227,8 @@ def _threads(threads: Optional[int]) -> int:
     return threads if threads is not None else torch.get_num_threads()
 
 
-def _isa_code(isa: Optional[str]) -> int:
+def isa_code(isa: Optional[str] = None) -> int:
+    """The kernels' code of ISA name `isa` (default: ISA), shared by every kernel extension."""
     name = isa or ISA
     if name not in _ISA_CODES:
         raise ValueError(f"unknown ISA {name!r}; built: {sorted(_ISA_CODES)}")
@@ -270,7 +271,7 @@ def packed_linear(x: torch.Tensor, w: PackedLinear, bias: Optional[torch.Tensor]
                          f"{sorted(a for a in _ext.ACTIVATIONS if a)} or None")
     _ext.linear(x2.data_ptr(), x2.stride(0), x2.shape[0], w.data.data_ptr(), _ptr(w.scale), w.n,
                 w.k, _CODES[w.storage], _ptr(bias), _ext.ACTIVATIONS[activation], y.data_ptr(),
-                w.n, _threads(threads), _isa_code(isa))
+                w.n, _threads(threads), isa_code(isa))
     return y.reshape(*lead, w.n)
 
 
@@ -311,7 +312,7 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
     table = _expert_table(experts)
     _ext.moe_ffn(h.data_ptr(), t, hidden, idx.data_ptr(), rw.data_ptr(), top_k, table.data_ptr(),
                  len(experts), out.data_ptr(), work.data_ptr(), iwork.data_ptr(), _threads(threads),
-                 _isa_code(isa))
+                 isa_code(isa))
     return out
 
 
@@ -320,7 +321,7 @@ def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
     """Achieved FLOP/s of a register-blocked FMA loop on `threads` threads (the compute roof)."""
     import time
     _require_kernels()
-    code, nthreads = _isa_code(isa), _threads(threads)
+    code, nthreads = isa_code(isa), _threads(threads)
     per_iter = 12 * _ext.lanes(code) * 2 * nthreads
     n = 1 << 16
     while True:

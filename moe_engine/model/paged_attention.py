@@ -9,10 +9,15 @@ head_dim], fp32, bf16 or fp16. Each (block, KV head) is one contiguous run of
 block_size*head_dim elements, so the task for (sequence, KV head) streams contiguous runs and
 reads every KV byte once for all query heads of its GQA group.
 
+The kernel is built once per ISA (kernels_cy/paged_attention_impl.h); the one that runs is the
+ISA the packed kernels chose at import (`moe_engine.model.packed.ISA`: CPUID, or MOE_BATCH_ISA),
+and every call takes `isa=` too. head_dim must be a multiple of that ISA's vector width (4
+generic, 8 avx2, 16 avx512).
+
 This module is the kernel only: it does not choose a fallback. When the extension is not built
-(HAS_CYTHON_KERNELS is False) or head_dim is not a multiple of its vector width
-(`kernel_unavailable` says why), its functions refuse to run; the engine's decode path is chosen
-once, in `moe_engine.model.attention.DecodeAttention`, which then takes the torch reference.
+(HAS_CYTHON_KERNELS is False) or the ISA cannot run the head_dim (`kernel_unavailable` says
+why), its functions refuse to run; the engine's decode path is chosen once, in
+`moe_engine.model.attention.DecodeAttention`, which then takes the torch reference.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 
 from typing import Optional
 
+from moe_engine.model import packed
 from moe_engine.model.kernel_import import import_kernel
 
 # None when not built: DecodeAttention takes the torch reference
@@ -27,6 +33,8 @@ _ext = import_kernel("moe_engine._kernels.paged_attention")
 
 HAS_CYTHON_KERNELS: bool = _ext is not None
 HAS_OPENMP: bool = bool(_ext is not None and _ext.OPENMP_ENABLED)
+# The ISA build that runs: one choice per process, shared with the packed kernels.
+ISA: Optional[str] = packed.ISA if _ext is not None else None
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODES = (
@@ -35,17 +43,45 @@ _DTYPE_CODES = (
 )
 
 
-def kernel_unavailable(head_dim: Optional[int] = None) -> Optional[str]:
-    """Why the kernel cannot run a model with this head_dim, or None when it can."""
+def supported_isas() -> list[str]:
+    """ISA builds of the kernel this CPU can run, best last ([] when not built)."""
+    return packed.supported_isas() if _ext is not None else []
+
+
+def head_dim_multiple(isa: Optional[str] = None) -> int:
+    """head_dim must be a multiple of this on `isa` (default: ISA), its vector width."""
+    return _ext.head_dim_multiple(packed.isa_code(isa or ISA))
+
+
+def kernel_unavailable(head_dim: Optional[int] = None, isa: Optional[str] = None) -> Optional[str]:
+    """Why the kernel cannot run a model with this head_dim on `isa` (default: the ISA chosen
+    at import), or None when it can."""
     if _ext is None:
         return "the Cython kernels are not built (python setup.py build_ext --inplace)"
-    if head_dim is not None and head_dim % _ext.HEAD_DIM_MULTIPLE != 0:
-        return f"head_dim {head_dim} is not a multiple of {_ext.HEAD_DIM_MULTIPLE}"
+    name = isa or ISA
+    if name not in supported_isas():
+        return _unsupported(name)
+    multiple = head_dim_multiple(name)
+    if head_dim is not None and (head_dim <= 0 or head_dim % multiple != 0):
+        return f"head_dim {head_dim} is not a multiple of {multiple} (the {name} vector width)"
     return None
 
 
-def _require_kernel(head_dim: Optional[int] = None) -> None:
-    reason = kernel_unavailable(head_dim)
+def _unsupported(name: Optional[str]) -> str:
+    return f"ISA {name!r} is not supported by this CPU (supported: {supported_isas()})"
+
+
+def _isa(isa: Optional[str]) -> str:
+    """isa, or ISA by default; one this CPU cannot run is refused rather than run (it would
+    fault)."""
+    name = isa or ISA
+    if name not in supported_isas():
+        raise ValueError(_unsupported(name))
+    return name
+
+
+def _require_kernel(head_dim: Optional[int] = None, isa: Optional[str] = None) -> None:
+    reason = kernel_unavailable(head_dim, isa)
     if reason is not None:
         raise RuntimeError(f"the paged-attention kernel cannot run: {reason}; "
                            "DecodeAttention falls back to the torch reference")
@@ -99,7 +135,8 @@ def _check_attention_args(query, key_cache, value_cache, block_tables, context_l
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
-                           out: torch.Tensor | None = None, num_threads: int = 0) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_threads: int = 0,
+                           isa: Optional[str] = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached keys and values.
 
     query [num_seqs, n_q_heads, head_dim], fp32 or the cache dtype (the output has the query
@@ -107,12 +144,15 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     block_tables int32 [num_seqs, max_blocks_per_seq] (entries past a sequence's last block are
     ignored); context_lens int32 [num_seqs] (a sequence with 0 tokens gets a zero output);
     scale multiplies q.k (usually head_dim ** -0.5). Query heads h*G..h*G+G-1 share KV head h
-    (G = n_q_heads / n_kv_heads). num_threads 0 uses torch.get_num_threads(). Softmax and
-    accumulation are fp32; the result does not depend on num_threads.
+    (G = n_q_heads / n_kv_heads). num_threads 0 uses torch.get_num_threads(). isa None runs
+    the ISA chosen at import (ISA). Softmax and accumulation are fp32; a sequence's result does
+    not depend on num_threads nor on the other sequences of the call.
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out)
     num_seqs, n_q, d = query.shape
-    _require_kernel(d)
+    _require_kernel()
+    isa = _isa(isa)
+    _require_kernel(d, isa)
     num_blocks, n_kv, block_size, _ = key_cache.shape
     q32 = query if query.dtype == torch.float32 else query.float()
     if out is not None and out.dtype == torch.float32:
@@ -125,7 +165,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     _ext.decode_attention(q32.data_ptr(), res.data_ptr(), key_cache.data_ptr(),
                           value_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
                           num_seqs, n_q, n_kv, d, num_blocks, block_size, block_tables.shape[1],
-                          _DTYPE_CODES[key_cache.dtype], float(scale), threads)
+                          _DTYPE_CODES[key_cache.dtype], float(scale), threads,
+                          packed.isa_code(isa))
     if res.dtype == query.dtype:
         return res
     if out is None:
@@ -159,3 +200,14 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     _ext.write_kv(key_cache.data_ptr(), value_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                   slot_mapping.data_ptr(), k.shape[0], n_kv, d, num_blocks, block_size,
                   k.element_size())
+
+
+def read_sum(buf: torch.Tensor, threads: int, isa: Optional[str] = None) -> float:
+    """Sum of a contiguous fp32 CPU tensor whose size is a multiple of 2**16, read with `isa`'s
+    vectors (default: the best this CPU has) on `threads` threads: the read-bandwidth probe
+    that benchmarks set the kernel against."""
+    _require_kernel()
+    _require(buf.dtype == torch.float32 and buf.device.type == "cpu" and buf.is_contiguous(),
+             "read_sum takes a contiguous fp32 CPU tensor")
+    return _ext.read_sum(buf.data_ptr(), buf.numel(), max(threads, 1),
+                         packed.isa_code(_isa(isa or supported_isas()[-1])))

@@ -46,7 +46,8 @@ def kernel_paths() -> dict[str, str]:
 
     return {"packed_isa": packed.ISA or "not built",
             "packed_isas_supported": ",".join(packed.supported_isas()) or "none",
-            "attention_kernel": "cython" if paged_attention.HAS_CYTHON_KERNELS else "not built"}
+            "attention_kernel": (f"cython {paged_attention.ISA}"
+                                 if paged_attention.HAS_CYTHON_KERNELS else "not built")}
 
 
 def header(threads: int) -> str:
@@ -68,7 +69,7 @@ def read_bandwidth_gbps(threads: int, mib: int = 1024, repeats: int = 5) -> floa
     for _ in range(repeats + 1):  # the first pass also faults the pages in
         t0 = time.perf_counter()
         if paged_attention.HAS_CYTHON_KERNELS:
-            paged_attention._ext.read_sum(buf.data_ptr(), buf.numel(), threads)
+            paged_attention.read_sum(buf, threads)
         else:
             buf.sum()
         best = min(best, time.perf_counter() - t0)

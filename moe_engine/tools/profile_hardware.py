@@ -217,10 +217,10 @@ def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 6
 
 def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     """KV bytes/s the CPU decode-attention kernel streams, for the model's head layout, over a
-    cache larger than the last-level cache. Returns (rate, kernel name)."""
+    cache larger than the last-level cache. Returns (rate, the path that ran: "cython avx2"...)."""
     import torch
 
-    from moe_engine.model import paged_attention as kernels
+    from moe_engine.model.attention import DecodeAttention
 
     dt = _torch_dtype(m.dtype_bytes)
     block, ctx = 16, 256 if fast else 512
@@ -236,12 +236,12 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     q = torch.randn(seqs, m.num_heads, d_k, dtype=dt)
     tables = torch.arange(nblocks, dtype=torch.int32).view(seqs, blocks_per_seq)
     lens = torch.full((seqs,), ctx, dtype=torch.int32)
-    out = torch.empty(seqs, m.num_heads, d_k, dtype=dt)
-    uses_cython = kernels.HAS_CYTHON_KERNELS and d_k % 16 == 0
-    sec = _median_time(lambda: kernels.paged_decode_attention(q, key, value, tables, lens, d_k ** -0.5, out=out),
+    # the path the engine takes for this head_dim (the torch reference where the kernel cannot)
+    attention = DecodeAttention("auto", head_dim=d_k)
+    sec = _median_time(lambda: attention(q, key, value, tables, lens, d_k ** -0.5),
                        0.02 if fast else 0.05, 3 if fast else 5)
     kv = 2.0 * seqs * ctx * m.num_kv_heads * d_k * m.dtype_bytes
-    return kv / sec, "cython" if uses_cython else "torch"
+    return kv / sec, attention.describe()
 
 
 def measure_cuda(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[int, ...], fast: bool) -> dict[str, Any]:

@@ -1,0 +1,100 @@
+/* Vector types and loads shared by the kernel templates (packed_gemm_impl.h,
+ * paged_attention_impl.h), at the width of the ISA build that includes them.
+ *
+ * kernels_cy/isa_<name>.c defines MOE_VW (fp32 lanes per vector: 4, 8 or 16) and is compiled
+ * with that ISA's flags. GCC/Clang vector extensions keep one source for every width: the
+ * compiler emits SSE, AVX2 or AVX-512 instructions from the same expressions; intrinsics appear
+ * only where the generic code is poor, each with a portable fallback.
+ */
+#ifndef MOE_ISA_VEC_H
+#define MOE_ISA_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if !defined(MOE_VW)
+#error "define MOE_VW before including isa_vec.h"
+#endif
+
+/* 64-byte generic vectors without AVX-512 have another ABI; every vector function of the
+ * templates is static, so no call crosses it. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+#define VW MOE_VW
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+typedef uint8_t vub __attribute__((vector_size(VW)));
+
+/* Unaligned load and store of one vector. */
+static inline vf ldf(const void *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void stf(void *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* v in every lane: one vbroadcastss from memory. (`(vf){0} + v` also adds, since 0 + v is not
+ * v for v = -0, and GCC builds a lane loop with inserts.) */
+static inline vf bcast(float v) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(v);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_set1_ps(v);
+#elif VW == 4 && defined(__SSE__)
+    return (vf)_mm_set1_ps(v);
+#else
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = v;
+    return r;
+#endif
+}
+
+/* VW fp16 -> fp32: F16C/AVX-512 conversions where the build has them, else exponent rebias by
+ * a multiplication (exact for normal and subnormal halves; inf/nan get an all-ones exponent). */
+static inline vf cvt_f16(const void *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vh raw;
+    memcpy(&raw, p, sizeof raw);
+    vu h = __builtin_convertvector(raw, vu);
+    vu em = (h & 0x7fffu) << 13;
+    vu bits = (vu)((vf)em * 0x1p112f);
+    vu special = (vu)((h & 0x7c00u) == 0x7c00u);
+    bits = (bits & ~special) | ((em | 0x7f800000u) & special);
+    return (vf)(bits | ((h & 0x8000u) << 16));
+#endif
+}
+
+/* VW 32-bit words of bf16 pairs -> the low halves and the high halves as fp32: one load, a
+ * shift and a mask, two ALU operations per 2*VW elements and no widening shuffles. Layouts put
+ * the elements they want in the same vector into the same halves (packed GEMM: columns i and
+ * 16+i in word i; the attention's K/V rows: elements 2i and 2i+1 as stored). */
+static inline __attribute__((always_inline)) void cvt_bf16_halves(const void *p, vf *lo,
+                                                                 vf *hi) {
+    vu w;
+    memcpy(&w, p, sizeof w);
+    *lo = (vf)(w << 16);
+    *hi = (vf)(w & 0xffff0000u);
+}
+
+/* VW bf16 in natural order -> fp32: widen to 32 bits and shift left by 16. */
+static inline vf cvt_bf16(const void *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+#endif
