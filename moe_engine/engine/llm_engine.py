@@ -7,7 +7,6 @@ sequences immediately so their KV blocks serve the next admissions.
 from __future__ import annotations
 
 import os
-import random
 import time
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Optional
@@ -18,7 +17,7 @@ from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, Gemm
 from moe_engine.engine.block_manager import BlockAllocator
 from moe_engine.engine.calibrate import find_or_record_routing
 from moe_engine.engine.model_runner import ModelRunner
-from moe_engine.engine.request import Request, RequestResult
+from moe_engine.engine.request import Request, RequestResult, stable_seed
 from moe_engine.engine.sampling import sample
 from moe_engine.engine.scheduler import ScheduledStep, Scheduler
 from moe_engine.engine.sequence import Sequence
@@ -110,7 +109,6 @@ class LLMEngine:
         self.stats = EngineStats()
         # Tests and profilers may observe each step's logits (sequences in batch order).
         self.logits_observer: Optional[LogitsObserver] = None
-        self._rng = random.Random()
 
     def close(self) -> None:
         """Stop the offload pipeline's worker threads (a no-op for the plain runner)."""
@@ -219,7 +217,8 @@ class LLMEngine:
                      f"{self.allocator.num_blocks * self.allocator.block_size}", ids)
         seed = request.sampling.seed
         if seed is None:
-            seed = self._rng.getrandbits(62)
+            # From the id, not a generator of this engine: a resumed run samples the same.
+            seed = stable_seed(0, rid)
         return Sequence(rid, ids, request.sampling, seed, self.max_model_len)
 
     def _step(self, start: float) -> Iterator[RequestResult]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -33,6 +34,13 @@ class SamplingParams:
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             return f"stop must be a sequence of non-empty strings, got {self.stop!r}"
         return None
+
+
+def stable_seed(base_seed: int, request_id: str) -> int:
+    """Sampling seed of a request that names none: a pure function of a base seed and the
+    request id, so a request re-run after a kill (in another process, another batch) draws the
+    same numbers. The corpus reader fills rows' seeds with it; the engine uses base 0."""
+    return (base_seed * 1_000_003 + zlib.crc32(request_id.encode("utf-8"))) % (2**31 - 1)
 
 
 def _finite(x: Any) -> bool:

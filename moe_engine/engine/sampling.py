@@ -60,7 +60,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if rows.numel() == 0:
         return tokens
     lg = logits[rows] / batch.temperature[rows, None]
-    sorted_lg, sorted_idx = torch.sort(lg, dim=-1, descending=True)
+    sorted_lg, sorted_idx = torch.sort(lg, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_lg.double(), dim=-1)
     vocab = probs.shape[-1]
     rank = torch.arange(vocab)[None, :]

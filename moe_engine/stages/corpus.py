@@ -14,7 +14,6 @@ pyarrow. Rows are dicts only until `rows_to_frame` builds the polars table.
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,7 +21,7 @@ from typing import Any, Iterator
 import polars as pl
 
 from moe_engine.config import InputFormat, WorkloadConfig
-from moe_engine.engine.request import SamplingParams
+from moe_engine.engine.request import SamplingParams, stable_seed
 from moe_engine.stages.tables import CORPUS_SCHEMA, SAMPLING_FIELDS, STATUS_PENDING, STATUS_REJECTED
 
 
@@ -203,11 +202,6 @@ def read_rows(paths: list[Path], w: WorkloadConfig) -> Iterator[_Row]:
             yield from _parquet_rows(path, w)
         else:
             yield from _jsonl_rows(path, fmt, w)
-
-
-def stable_seed(base_seed: int, row_id: str) -> int:
-    """Per-row sampling seed: a pure function of the workload seed and the row id."""
-    return (base_seed * 1_000_003 + zlib.crc32(row_id.encode("utf-8"))) % (2**31 - 1)
 
 
 def rows_to_frame(rows: Iterator[_Row], w: WorkloadConfig) -> pl.DataFrame:
