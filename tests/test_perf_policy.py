@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from moe_engine.config import EngineConfig
 from moe_engine.perf import (Policy, WorkloadSpec, apply_policy, choose_policy, load_preset, memory_use, plot_roofline,
@@ -233,3 +234,130 @@ def test_engine_loop_overhead_is_added_per_step_and_per_sequence():
         assert more.t_host == pytest.approx(1e-4 + n * 2e-5) and base.t_host == 0.0
     slow_loop = dataclasses.replace(hw, host_step_s=10.0)
     assert decode_step_times(m, slow_loop, pol, 8, 100.0, True).bottleneck == "host loop"
+
+
+# More of any resource never predicts less (issue #13, item 10). The search is exhaustive over a
+# grid that depends on no rate and grows with memory, r_w and r_c are as large as memory allows
+# (each only saves time), and every pass size is tried: so a machine with more of anything has
+# every candidate of the smaller one, each at least as fast.
+RATES = ("link_bw", "device_bw", "cpu_bw", "device_flops", "cpu_flops")
+MEMORIES = ("device_memory", "host_memory")
+GPU_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite", "olmoe-1b-7b")
+
+
+def _workloads():
+    lengths = st.lists(st.integers(1, 2000), min_size=1, max_size=60)
+    gens = st.sampled_from([1, 16, 128, 512])
+    fixed = st.builds(lambda p, g, k: WorkloadSpec(p, p + 50, g, num_requests=k),
+                      st.integers(16, 2000), gens, st.sampled_from([0, 64, 1000]))
+    per_row = lengths.flatmap(lambda ls: st.builds(
+        workload_spec_from_lengths, st.just(ls),
+        st.one_of(gens, st.lists(st.sampled_from([1, 8, 64, 300]), min_size=len(ls),
+                                 max_size=len(ls)))))
+    return st.one_of(fixed, per_row)
+
+
+GPU_MACHINES = st.tuples(st.sampled_from(["t4", "l4", "a40", "a100"]), st.sampled_from(GPU_MODELS),
+                         st.just("cuda"))
+CPU_MACHINES = st.tuples(st.just("cpu"), st.sampled_from(["tiny-mixtral", "small-mixtral", "olmoe-1b-7b"]),
+                         st.just("cpu"))
+
+
+def _model(name: str):
+    from moe_engine.perf import ModelSpec
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    return ModelSpec.from_hf_config(hf_config(PRESETS[name]), name=name) if name in PRESETS \
+        else reference_model(name)
+
+
+def _throughput(m, hw, wl, backend):
+    from moe_engine.perf import NoFeasiblePolicy
+
+    try:
+        return choose_policy(m, hw, wl, backend=backend).throughput_tok_s
+    except NoFeasiblePolicy:
+        return 0.0
+
+
+def _assert_more_never_less(machine, wl, resource, scale, factor, steps=3):
+    """Sweep one resource up from `scale` times the preset's in `steps` steps of `factor`."""
+    hw_name, model_name, backend = machine
+    m, hw = _model(model_name), load_preset(hw_name)
+    prev = 0.0
+    for i in range(steps):
+        amount = getattr(hw, resource) * scale * factor ** i
+        tp = _throughput(m, dataclasses.replace(hw, **{resource: amount}), wl, backend)
+        assert tp >= prev * (1 - 1e-9), (resource, amount, prev, tp)
+        prev = tp
+
+
+# Derandomized so a run is repeatable.
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(GPU_MACHINES, _workloads(), st.sampled_from(MEMORIES), st.floats(0.5, 2.0),
+       st.floats(1.01, 1.3))
+def test_more_memory_never_predicts_less(machine, wl, resource, scale, factor):
+    _assert_more_never_less(machine, wl, resource, scale, factor)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(GPU_MACHINES, _workloads(), st.sampled_from(RATES), st.floats(0.5, 2.0),
+       st.floats(1.01, 1.3))
+def test_faster_hardware_never_predicts_less(machine, wl, resource, scale, factor):
+    _assert_more_never_less(machine, wl, resource, scale, factor)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(CPU_MACHINES, _workloads(), st.sampled_from(("host_memory", "cpu_bw", "cpu_flops")),
+       st.floats(0.5, 2.0), st.floats(1.01, 1.3))
+def test_more_of_a_cpu_machine_never_predicts_less(machine, wl, resource, scale, factor):
+    _assert_more_never_less(machine, wl, resource, scale, factor)
+
+
+@pytest.mark.parametrize("model_name,hw_name,wl,resource,steps", [
+    # Found before the fix: a larger device picked the largest prefill pass that fit and put
+    # the rest in the KV cache, which the model charged to the device (-0.7% per step).
+    ("olmoe-1b-7b", "l4", WorkloadSpec(242, 256, 50), "device_memory", 1.01),
+    # More FLOP/s raised the saturation count, hence the first pass size tried (-14%).
+    ("olmoe-1b-7b", "a40", WorkloadSpec(77, 418, 128, num_requests=1000), "device_flops", 1.02),
+])
+def test_resource_sweeps_that_predicted_less_are_monotone(model_name, hw_name, wl, resource, steps):
+    m, hw = reference_model(model_name), load_preset(hw_name)
+    prev = 0.0
+    for i in range(12):
+        tp = choose_policy(m, dataclasses.replace(hw, **{resource: getattr(hw, resource) * steps ** i}),
+                           wl, backend="cuda").throughput_tok_s
+        assert tp >= prev * (1 - 1e-9), (i, tp, prev)
+        prev = tp
+
+
+def test_scoring_run_does_not_look_free_at_batch_one_and_needs_no_decode_slots():
+    """A prefill-only run (max_new_tokens=1) packs prompts into passes of the token budget
+    whatever N, so N changes no time; its KV holds one pass of prompts; passes pay their
+    per-step costs, so the prediction falls with the pass count."""
+    from moe_engine.perf import ModelSpec
+    from moe_engine.perf.cost import prefill_time
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    m = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]))
+    hw = dataclasses.replace(load_preset("cpu"), host_step_s=7e-5, host_seq_s=1e-5,
+                             host_token_s=1e-6, op_overhead_s=3e-6)
+    wl = workload_spec_from_lengths([18] * 20_000, 1)
+    assert wl.prefill_only
+    r = choose_policy(m, hw, wl, backend="cpu")
+    one = Policy(1, 1, False, True, 1.0, prefill_tokens=2048)
+    # Independent count: 20k prompts of 18 tokens in passes of at most 2048 tokens.
+    passes = -(-20_000 * 18 // (2048 // 18 * 18))
+    per_pass = prefill_time(m, hw, one, dataclasses.replace(wl, num_requests=2048 // 18), 2048 // 18, True)
+    assert r.prediction.prefill_s == pytest.approx(passes * per_pass, rel=0.02)
+    assert r.throughput_tok_s == pytest.approx(20_000 / r.prediction.prefill_s)
+    # N does not matter, so the search keeps the smallest; the cache holds one pass.
+    assert r.policy.batch_size == 1
+    assert r.prediction.memory.kv_bytes >= (2048 // 18) * 19 * m.kv_bytes_per_token
+    # The same prompts decoding 2 tokens each at N=1 go one prompt per pass, each paying the
+    # per-step costs: several times slower.
+    two = workload_spec_from_lengths([18] * 20_000, 2)
+    slow = predict(m, hw, two, one, cpu_backend=True)
+    single = prefill_time(m, hw, one, dataclasses.replace(two, num_requests=1), 1, True)
+    assert slow.prefill_s == pytest.approx(20_000 * single, rel=1e-6)
+    assert slow.prefill_s > 5 * r.prediction.prefill_s

@@ -104,3 +104,28 @@ def test_oversized_prompt_is_admitted_beside_running_decodes():
     step = sched.schedule()
     assert step.num_decode_tokens == 1 and step.num_prefill_tokens == 30
     assert [s.request_id for s in sched.waiting] == ["after"]
+
+
+def _scoring_seq(n, rid):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=1), 0, 10_000)
+
+
+def test_prefill_only_prompts_fill_the_token_budget_whatever_max_num_seqs():
+    """Scoring rows (max_new_tokens=1) end at their prefill token, so N=1 must not make a pass
+    of one prompt (issue #13, item 11): the pass holds as many as the token budget takes."""
+    sched = Scheduler(BlockAllocator(1000, 4), max_num_seqs=1, max_prefill_tokens=100)
+    for i in range(30):
+        sched.add(_scoring_seq(9, str(i)))
+    step = sched.schedule()
+    assert len(step.sequences) == 11 and step.num_prefill_tokens == 99  # 11 * 9 <= 100 < 108
+
+
+def test_a_decoding_prompt_still_takes_the_one_slot_beside_scoring_prompts():
+    sched = Scheduler(BlockAllocator(1000, 4), max_num_seqs=1, max_prefill_tokens=100)
+    for rid, seq in [("a", _scoring_seq(5, "a")), ("b", _seq(5, "b")), ("c", _scoring_seq(5, "c")),
+                     ("d", _seq(5, "d")), ("e", _scoring_seq(5, "e"))]:
+        sched.add(seq)
+    step = sched.schedule()
+    # "d" would be a second decoding sequence with N=1: admission stops at it, in order.
+    assert sorted(s.request_id for s in step.sequences) == ["a", "b", "c"]
+    assert [s.request_id for s in sched.waiting] == ["d", "e"]

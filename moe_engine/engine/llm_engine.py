@@ -161,7 +161,11 @@ class LLMEngine:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(self.scheduler.waiting) < self.config.max_num_seqs:
+                # Read ahead N requests, or more while they hold fewer tokens than one prefill
+                # pass: prefill-only prompts are admitted beyond N (see Scheduler._admit_prefills).
+                queued_tokens = sum(s.num_tokens for s in self.scheduler.waiting)
+                while not exhausted and (len(self.scheduler.waiting) < self.config.max_num_seqs
+                                         or queued_tokens < self.config.max_prefill_tokens):
                     request = next(pending, None)
                     if request is None:
                         exhausted = True
@@ -173,6 +177,7 @@ class LLMEngine:
                         yield admitted
                     else:
                         self.scheduler.add(admitted)
+                        queued_tokens += admitted.num_tokens
                 if not self.scheduler.has_unfinished():
                     if exhausted:
                         break

@@ -85,10 +85,17 @@ class Scheduler:
         return scheduled, preempted
 
     def _admit_prefills(self, num_decodes: int) -> list[Sequence]:
+        """Prompts from the head of the queue up to the step's token budget. max_num_seqs bounds
+        the sequences that will decode: a prompt whose only token comes from its prefill (a
+        scoring row, max_new_tokens=1) leaves at the end of the step, so it takes no decode slot
+        and a prefill-only run fills every pass to the budget whatever N is."""
         admitted: list[Sequence] = []
-        tokens = 0
-        while self.waiting and num_decodes + len(admitted) < self.max_num_seqs:
+        tokens = staying = 0
+        while self.waiting:
             seq = self.waiting[0]
+            leaves = seq.max_remaining_tokens() <= 1
+            if not leaves and num_decodes + staying >= self.max_num_seqs:
+                break
             n = seq.num_tokens
             # The first prefill of a step is always admitted (KV permitting), so a prompt over
             # the token budget still runs instead of blocking the queue.
@@ -104,6 +111,7 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
             tokens += n
+            staying += not leaves
         return admitted
 
     def _partition(self, prefills: list[Sequence], decodes: list[Sequence]) -> ScheduledStep:
@@ -118,8 +126,9 @@ class Scheduler:
         in_step = set(seqs)
         held_elsewhere = sum(len(s.block_table) for s in self.running if s not in in_step)
         share = (self.allocator.num_blocks - held_elsewhere) * self.allocator.block_size
+        # Prefill-only sequences admitted beyond N count toward the per-micro-batch cap too.
         part = partition(seqs, [s.num_tokens for s in seqs], n_ub,
-                         max_items=math.ceil(self.max_num_seqs / n_ub), cache_size=share)
+                         max_items=math.ceil(max(self.max_num_seqs, len(seqs)) / n_ub), cache_size=share)
         # Aborted prefills go back to the head of the queue in order, blocks returned, and are
         # retried next step; an aborted decode keeps its blocks and skips this step.
         for seq in reversed([s for s in part.aborted if s.is_prefill]):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -60,6 +61,7 @@ class MlaSpec:
     v_head_dim: int
 
 
+@lru_cache(maxsize=None)  # the policy search asks ~10^5 times per run
 def dtype_bytes_of(dtype: str) -> int:
     """Bytes per element of a torch dtype name ("bfloat16", "torch.float32", ...)."""
     key = str(dtype).replace("torch.", "").lower()

@@ -7,7 +7,7 @@ are the same cores, so their times add, and resident weights need no link.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .roofline import (ATTN_OPS, HEAD_OPS, PREFILL_OPS_PER_SEQ, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
@@ -40,6 +40,10 @@ class Policy:
     kv_device_ratio: float = 0.0
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS
     block_size: int = DEFAULT_BLOCK_SIZE
+    # Fraction of the KV the device attention reads from device memory when it is not r_c: set
+    # only by the search, to 0 with r_c at its largest, for a bound no r_c can beat (the link
+    # carries the least KV while the device reads the least).
+    kv_read_ratio: float | None = field(default=None, repr=False)
 
     @property
     def num_micro_batches(self) -> int:
@@ -137,15 +141,27 @@ def activation_bytes(m: ModelSpec, tokens: float, seqs: float) -> float:
 def peak_activation_bytes(m: ModelSpec, wl: WorkloadSpec, policy: Policy) -> float:
     """The larger of a decode micro-batch and a prefill pass of `policy.prefill_tokens`."""
     decode = activation_bytes(m, policy.micro_batch_size, policy.micro_batch_size)
-    pf_tokens = min(policy.prefill_tokens, policy.batch_size * max(1.0, wl.mean_prompt))
+    pf_tokens = min(policy.prefill_tokens, resident_seqs(wl, policy) * max(1.0, wl.mean_prompt))
     prefill = activation_bytes(m, pf_tokens, pf_tokens / max(1.0, wl.mean_prompt))
     return max(decode, prefill)
 
 
+def prefill_pass_seqs(wl: WorkloadSpec, policy: Policy) -> int:
+    """Prompts one prefill pass holds in a prefill-only run: as many as the token budget takes
+    (at least one: an over-budget prompt runs alone), whatever the decode batch N, since none of
+    them stays to decode. Bounded by the request count."""
+    seqs = max(1, int(policy.prefill_tokens // max(1.0, wl.mean_prompt)))
+    return min(seqs, wl.num_requests) if wl.num_requests else seqs
+
+
+def resident_seqs(wl: WorkloadSpec, policy: Policy) -> int:
+    """Sequences holding KV at once: N, or one prefill pass of a prefill-only run."""
+    return prefill_pass_seqs(wl, policy) if wl.prefill_only else policy.batch_size
+
+
 def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> MemoryUse:
     """Device and host bytes a policy needs (the constraints of the search)."""
-    n = policy.batch_size
-    kv = kv_bytes(m, wl, n, policy.block_size)
+    kv = kv_bytes(m, wl, resident_seqs(wl, policy), policy.block_size)
     act = peak_activation_bytes(m, wl, policy)
     if cpu_backend:
         # One pool: every weight, the whole KV cache and the activations live in host memory.
@@ -197,7 +213,8 @@ def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens:
             t_link_out += count * size * m.hidden_size * b
             t_link_in += count * size * m.hidden_size * b
         if policy.attention_on_device and not cpu_backend:
-            g += device_attention_time(m, hw, size, ctx, policy.kv_device_ratio)
+            read = policy.kv_device_ratio if policy.kv_read_ratio is None else policy.kv_read_ratio
+            g += device_attention_time(m, hw, size, ctx, read)
             t_link_in += count * (1.0 - policy.kv_device_ratio) * size * ctx * m.kv_bytes_per_token_layer
         else:
             c += cpu_attention_time(m, hw, size, ctx)
@@ -366,6 +383,8 @@ def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cp
     per-request generation lengths the decode batch is followed step by step as it drains
     (`batch_occupancy`)."""
     mem = memory_use(m, hw, wl, policy, cpu_backend)
+    if wl.prefill_only:
+        return _predict_prefill_only(m, hw, wl, policy, cpu_backend, mem)
     if wl.gen_lengths:
         prefill = prefill_time(m, hw, policy, wl, wl.num_requests, cpu_backend)
         decode, step = _bounded_decode_time(m, hw, policy, wl, cpu_backend)
@@ -391,3 +410,18 @@ def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cp
     total_time = prefill + decode
     eff = min(n, k) if k else n
     return Prediction(policy, tokens / total_time if total_time > 0 else 0.0, mid_step, prefill, decode, mem, eff)
+
+
+def _predict_prefill_only(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy,
+                          cpu_backend: bool, mem: MemoryUse) -> Prediction:
+    """A run whose every request ends at its prefill token: passes of `prefill_pass_seqs`
+    prompts, each paying its per-step costs (host loop, LM head, op launches); N plays no part,
+    so the search keeps the smallest."""
+    per = prefill_pass_seqs(wl, policy)
+    k = wl.num_requests or per
+    full, rest = divmod(k, per)
+    prefill = full * prefill_time(m, hw, policy, wl, per, cpu_backend)
+    if rest:
+        prefill += prefill_time(m, hw, policy, wl, rest, cpu_backend)
+    step = decode_step_times(m, hw, policy, 1, wl.mean_prompt + 1.0, cpu_backend)
+    return Prediction(policy, k / prefill if prefill > 0 else 0.0, step, prefill, 0.0, mem, per)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .lens import Stage1Bound, stage1_bound, tokens_to_saturate_exact
+from .lens import Stage1Bound, stage1_bound
 from .cost import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOKENS, MemoryUse, Policy, Prediction, StepTimes,
                     activation_bytes, peak_activation_bytes, device_budget, device_weight_bytes, is_cpu_backend, kv_bytes, memory_use,
                     predict)
@@ -28,6 +28,11 @@ NUB_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64,
 # Equal predictions (to rounding) prefer the policy holding fewer sequences (less KV). A looser
 # tolerance would trade throughput for memory and break "more memory never predicts less".
 TIE_TOLERANCE = 1e-9
+# Golden-section search over r_c: ratio, and the width (relative to r_c's range) it stops at.
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+KV_RATIO_TOLERANCE = 1e-10
+# Prefill pass sizes (tokens) tried on a GPU machine.
+PREFILL_GRID = tuple(DEFAULT_PREFILL_TOKENS << i for i in range(8))  # 2048 .. 262144
 
 
 class NoFeasiblePolicy(RuntimeError):
@@ -154,6 +159,55 @@ def _candidate_batches(num_requests: int):
                 yield m_eff, n
 
 
+def _useful_pass_sizes(choices: tuple[int, ...], wl: WorkloadSpec, n: int) -> tuple[int, ...]:
+    """The pass sizes that differ for batch n: beyond the prompt tokens a pass can ever hold
+    (the run's, or N's for an unbounded one) a larger pass changes nothing, so only the
+    smallest of those is kept."""
+    cap = max(n, wl.num_requests) * max(1.0, wl.mean_prompt)
+    out = []
+    for pf in sorted(choices):
+        out.append(pf)
+        if pf >= cap:
+            break
+    return tuple(out)
+
+
+def _best_kv_ratio(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, at_max: Prediction, r_max: float,
+                   best: Prediction | None) -> Prediction:
+    """The KV fraction on the device r_c in [0, r_max] that predicts the most, for attention on
+    the device. More of the cache on the device is not always faster: the part on the host
+    crosses the link while the device computes, and the part on the device costs device time,
+    so the best r_c balances the two. The run's time is convex in r_c (a sum of maxima of terms
+    linear in it), so a golden-section search finds the optimum; it runs only when a bound (the
+    link carrying the least KV while the device reads the least) could beat the best so far."""
+    p = at_max.policy
+    if best is not None:
+        bound = predict(model, hw, wl, dataclasses.replace(p, kv_read_ratio=0.0), False)
+        if bound.throughput_tok_s <= best.throughput_tok_s * (1.0 - TIE_TOLERANCE):
+            return at_max
+    evaluated = {r_max: at_max}
+
+    def time_at(r: float) -> float:
+        if r not in evaluated:
+            evaluated[r] = predict(model, hw, wl, dataclasses.replace(p, kv_device_ratio=r), False)
+        return -evaluated[r].throughput_tok_s
+
+    lo, hi = 0.0, r_max
+    a, b = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
+    fa, fb = time_at(a), time_at(b)
+    time_at(0.0)
+    while hi - lo > KV_RATIO_TOLERANCE * max(r_max, 1e-12):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - GOLDEN * (hi - lo)
+            fa = time_at(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + GOLDEN * (hi - lo)
+            fb = time_at(b)
+    return max(evaluated.values(), key=lambda pr: (pr.throughput_tok_s, pr.policy.kv_device_ratio))
+
+
 def choose_policy(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, *, backend: str,
                   block_size: int = DEFAULT_BLOCK_SIZE, prefill_tokens: int | None = None) -> PolicyResult:
     """Search (N, mu, attention on device, FFN on device, r_w, r_c) for the highest predicted
@@ -166,37 +220,37 @@ def choose_policy(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, *, backe
     cpu_backend = is_cpu_backend(hw, backend)
     prefill_choices = (prefill_tokens,) if prefill_tokens else (DEFAULT_PREFILL_TOKENS,)
     if prefill_tokens is None and not cpu_backend:
-        # Prefill passes as large as memory allows up to the count that amortizes the streamed
-        # weights (Lens eq. 2); each pass re-streams the non-resident weights.
-        sat = tokens_to_saturate_exact(model, hw.device_flops, hw.link_bw)
-        top = max(DEFAULT_PREFILL_TOKENS, int(2 ** math.ceil(math.log2(max(sat, 1.0)))))
-        # Capped so a pass's activations take at most a quarter of the device memory: the rest
-        # holds resident weights, which every decode step benefits from.
+        # Prefill pass sizes from a grid that depends on no rate (a faster link or device must
+        # find every candidate of a slower one), capped so a pass's activations take at most a
+        # quarter of the device memory: the rest holds resident weights, which every decode
+        # step benefits from. Larger passes re-stream the non-resident weights less often
+        # (Lens eq. 2) but leave less room for resident weights, so every size is scored.
         quarter = device_budget(hw, False) / 4
-        prefill_choices = tuple(t for t in (top >> i for i in range(12)) if t >= DEFAULT_PREFILL_TOKENS
-                                and activation_bytes(model, t, t / max(1.0, wl.mean_prompt)) <= quarter)
+        prefill_choices = tuple(t for t in PREFILL_GRID
+                                if activation_bytes(model, t, t / max(1.0, wl.mean_prompt)) <= quarter)
         prefill_choices = prefill_choices or (DEFAULT_PREFILL_TOKENS,)
     placements = [(False, True)] if cpu_backend else [(a, f) for a in (False, True) for f in (True, False)]
-    best: Prediction | None = None
-    candidates = 0
+    scored: list[tuple[Prediction, float]] = []  # (prediction at the largest r_c, that r_c)
     for attn_dev, ffn_dev in placements:
         for mu, n in _candidate_batches(wl.num_requests):
-            policy = Policy(n, mu, attn_dev, ffn_dev, 1.0, 0.0, prefill_choices[0], block_size)
-            if not cpu_backend:
-                for pf in prefill_choices:
-                    policy = dataclasses.replace(policy, prefill_tokens=pf)
+            for pf in _useful_pass_sizes(prefill_choices, wl, n):
+                policy = Policy(n, mu, attn_dev, ffn_dev, 1.0, 0.0, pf, block_size)
+                if not cpu_backend:
                     solved = _max_resident_ratio(model, hw, wl, policy)
-                    if solved is not None:
-                        break
-                if solved is None:
+                    if solved is None:
+                        continue
+                    policy = dataclasses.replace(policy, resident_ratio=solved[0], kv_device_ratio=solved[1])
+                if not memory_use(model, hw, wl, policy, cpu_backend).fits:
                     continue
-                policy = dataclasses.replace(policy, resident_ratio=solved[0], kv_device_ratio=solved[1])
-            if not memory_use(model, hw, wl, policy, cpu_backend).fits:
-                continue
-            candidates += 1
-            pred = predict(model, hw, wl, policy, cpu_backend)
-            if best is None or _better(pred, best):
-                best = pred
+                scored.append((predict(model, hw, wl, policy, cpu_backend), policy.kv_device_ratio))
+    candidates = len(scored)
+    best: Prediction | None = None
+    # Best first, so the bound below discards most candidates without a search over r_c.
+    for pred, r_max in sorted(scored, key=lambda s: -s[0].throughput_tok_s):
+        if pred.policy.attention_on_device and r_max > 0:
+            pred = _best_kv_ratio(model, hw, wl, pred, r_max, best)
+        if best is None or _better(pred, best):
+            best = pred
     if best is None:
         raise NoFeasiblePolicy(
             f"no policy fits: model {model.name} needs {model.total_bytes / 1e9:.1f} GB of weights; "

@@ -100,6 +100,12 @@ class WorkloadSpec:
         return self.mean_prompt + self.gen_len
 
     @property
+    def prefill_only(self) -> bool:
+        """Every request ends at the token its prefill yields (scoring runs, max_new_tokens=1):
+        no decode step runs, so the engine packs prompts by the token budget alone."""
+        return all(g == 1 for g in self.gen_lengths) if self.gen_lengths else self.gen_len == 1
+
+    @property
     def sum_prompt_sq(self) -> float:
         """Mean of prompt length squared (prefill attention is quadratic per sequence)."""
         if self.prompt_lengths:

@@ -15,7 +15,6 @@ import json
 import os
 import sys
 import time
-
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -26,6 +25,7 @@ from moe_engine.io import atomic_path, write_text_atomic
 from moe_engine.stages.policy import engine_config_for
 from moe_engine.stages.tables import GENERATION_SCHEMA, RESULT_FIELDS, STATUS_ERROR, checkpoint_path
 
+LOG_PROGRESS_S = 5.0  # seconds between progress lines when stderr is a log file
 
 
 def fingerprint(cfg: AppConfig, shard_path: Path) -> str:
@@ -164,8 +164,12 @@ def _generate_into(engine, requests: Iterable, count: int, total: int, resumed: 
                    writer: CheckpointWriter, done: dict, progress: bool) -> None:
     from tqdm import tqdm
 
+    # In a log file (Snakemake's log:, not a terminal) every refresh is a new line: one every
+    # LOG_PROGRESS_S seconds keeps a 100k-row log small and still shows the run moving.
+    interval = 1.0 if sys.stderr.isatty() else LOG_PROGRESS_S
     bar = tqdm(total=total, initial=resumed, desc="generate", unit="req", file=sys.stderr,
-               disable=not progress, mininterval=1.0, dynamic_ncols=False, ascii=True)
+               disable=not progress, mininterval=interval, maxinterval=max(interval, 10.0),
+               dynamic_ncols=False, ascii=True)
     started, tokens, seen = time.perf_counter(), 0, set()
     try:
         for result in engine.generate(requests):
@@ -175,7 +179,10 @@ def _generate_into(engine, requests: Iterable, count: int, total: int, resumed: 
             writer.add(row)
             tokens += row["completion_tokens"]
             bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started, 1e-9):.1f}")
+            # refresh=False: the postfix rides on the next throttled refresh (True would write
+            # a line per request).
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started, 1e-9):.1f}",
+                            refresh=False)
     finally:
         bar.close()
     if len(seen) != count:
