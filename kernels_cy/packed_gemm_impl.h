@@ -118,26 +118,6 @@ static inline __attribute__((always_inline)) void micro_kernel(
     }
 }
 
-/* exp(x) for every lane, each lane computed alone (so a value does not depend on its lane or
- * its neighbours): Cephes-style range reduction x = n*ln2 + r, a degree-7 polynomial for e^r
- * (relative error ~1e-7), 2^n built in the exponent bits; x clamped to [-87, 88]. */
-static inline vf vexp(vf x) {
-    const vf lo = bcast(-87.0f), hi = bcast(88.0f);
-    x = (vf)(((vi)(x < lo) & (vi)lo) | (~(vi)(x < lo) & (vi)x));
-    x = (vf)(((vi)(x > hi) & (vi)hi) | (~(vi)(x > hi) & (vi)x));
-    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
-}
-
 static inline vf vsigmoid(vf v) { return 1.0f / (1.0f + vexp(-v)); }
 
 /* What a register tile becomes (applied per pass on the accumulators, vectorized). Column

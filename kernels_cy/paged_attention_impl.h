@@ -171,28 +171,6 @@ static inline int attn_any(vi mask) {
 #endif
 }
 
-/* exp(x) for x <= 0 (scores minus their running max). Cephes-style: x = n*ln2 + r with
- * |r| <= ln2/2, a degree-7 polynomial for e^r (relative error ~1e-7), 2^n built in the exponent
- * bits. Inputs below -87 are clamped there (result ~1e-38 instead of 0, far below fp32 resolution
- * of the running sum, which is >= 1). */
-static inline vf attn_exp(vf x) {
-    const vf lo = bcast(-87.0f);
-    const vi below = (vi)(x < lo);
-    x = (vf)(((vi)lo & below) | ((vi)x & ~below));
-    /* round to nearest by the 1.5*2^23 trick: exact for |t| < 2^22 */
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
-}
-
 /* Fold a chunk of ntok (1..CH) consecutive cached tokens into the online-softmax state of a
  * tile of T query heads sharing one KV head:
  *   q    [T, d]  fp32, multiplied by the softmax scale, in the loads' lane order
@@ -281,7 +259,7 @@ static inline __attribute__((always_inline)) void attn_chunk(
         vf sum = ldf(l + t * VW);
         for (int u = 0; u < NSV; u++) {
             /* padding lanes: exp(-inf) -> ~0, then masked */
-            const vf e = (vf)((vi)attn_exp(s[u] - bcast(m[t])) & live[u]);
+            const vf e = (vf)((vi)vexp(s[u] - bcast(m[t])) & live[u]);
             stf(&p[t][u * VW], e);
             sum += e;
         }
