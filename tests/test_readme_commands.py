@@ -3,7 +3,8 @@ composes a valid config and plans a workflow (a Snakemake dry run), so an exampl
 key, a missing file or broken quoting fails here instead of in a user's shell.
 
 Lines that cannot run in the test are skipped by rule, not by hand: `make test` (this suite),
-pip installs, and the Slurm profile (its executor plugin is not installed). Checkpoint paths
+pip installs, and the Slurm profiles and cluster script (they need a running Slurm:
+tests/test_slurm.py runs them). Checkpoint paths
 under /models or /shared are replaced by the tiny test checkpoint."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
-SKIP = ("make test", "pip install", "profiles/slurm")
+SKIP = ("make test", "pip install", "profiles/slurm", "slurm_up.sh", "tests/cluster/profile")
 PLACEHOLDER_MODEL = re.compile(r"model\.path=\S*?(?=[\s\"']|$)")
 
 

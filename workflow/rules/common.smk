@@ -15,3 +15,18 @@ REPORT_MD = f"{RESULTS}/report.md"
 REPORT_SUMMARY = f"{RESULTS}/summary.json"
 REPORT_PLOTS = f"{RESULTS}/plots"
 USES_GPU = 1 if APP.engine.backend.value == "cuda" else 0
+
+
+def all_cores() -> int:
+    """Every core Snakemake may use here (--cores): a generate job takes them all, so shards on
+    one machine run one after another. A cluster executor runs without --cores; there each
+    job's threads come from the profile's set-threads (1 when it names none)."""
+    from snakemake.exceptions import WorkflowError
+
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
+GENERATE_THREADS = all_cores()

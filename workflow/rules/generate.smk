@@ -13,7 +13,7 @@ rule generate:
         f"{LOGS}/generate/{{i}}.log",
     benchmark:
         f"{BENCH}/generate/{{i}}.tsv"
-    threads: workflow.cores
+    threads: GENERATE_THREADS
     resources:
         mem_mb=8000,
         gpu=USES_GPU,
