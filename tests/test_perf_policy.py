@@ -237,9 +237,9 @@ def test_engine_loop_overhead_is_added_per_step_and_per_sequence():
 
 
 # More of any resource never predicts less (issue #13, item 10). The search is exhaustive over a
-# grid that depends on no rate and grows with memory, r_w and r_c are as large as memory allows
-# (each only saves time), and every pass size is tried: so a machine with more of anything has
-# every candidate of the smaller one, each at least as fast.
+# grid that depends on no rate and grows with memory, r_w is as large as memory allows (it only
+# saves time), r_c is the best in [0, what memory allows] and every pass size is tried: so a
+# machine with more of anything has every candidate of the smaller one, each at least as fast.
 RATES = ("link_bw", "device_bw", "cpu_bw", "device_flops", "cpu_flops")
 MEMORIES = ("device_memory", "host_memory")
 GPU_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite", "olmoe-1b-7b")
@@ -361,3 +361,23 @@ def test_scoring_run_does_not_look_free_at_batch_one_and_needs_no_decode_slots()
     single = prefill_time(m, hw, one, dataclasses.replace(two, num_requests=1), 1, True)
     assert slow.prefill_s == pytest.approx(20_000 * single, rel=1e-6)
     assert slow.prefill_s > 5 * r.prediction.prefill_s
+
+
+def test_kv_cache_holds_the_longest_request_whatever_the_mean():
+    """A cache sized for passes of mean-length prompts must still hold the longest request, or
+    the engine rejects that row (a scoring run with one 3500-token prompt among 1000-token ones)."""
+    from moe_engine.perf import ModelSpec
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    m = ModelSpec.from_hf_config(hf_config(PRESETS["small-mixtral"]))
+    wl = workload_spec_from_lengths([1000] * 99 + [3500], 1)
+    r = choose_policy(m, load_preset("cpu"), wl, backend="cpu")
+    assert r.prediction.memory.kv_bytes >= (3500 + 1) * m.kv_bytes_per_token
+
+
+def test_unbounded_scoring_run_keeps_the_smallest_batch():
+    """N changes nothing for a prefill-only run, bounded or not, so the search keeps N=1 and
+    tries every pass size for it."""
+    m, hw = reference_model("olmoe-1b-7b"), load_preset("a100")
+    r = choose_policy(m, hw, WorkloadSpec(200, 400, 1), backend="cuda")
+    assert r.policy.batch_size == 1 and r.policy.prefill_tokens > 2048

@@ -55,13 +55,15 @@ def slurm():
         ["sinfo", "-h"], capture_output=True).returncode == 0
     started = time.monotonic()
     proc = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True, timeout=600)
-    if proc.returncode == 3:
-        pytest.skip(f"Slurm could not be installed here: {proc.stderr.strip()[-500:]}")
-    assert proc.returncode == 0, f"slurm_up.sh up failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    print(f"cluster up in {time.monotonic() - started:.0f} s")
-    yield
-    if not was_up:
-        _sh("bash", str(SCRIPT), "down", check=False, timeout=120)
+    try:
+        if proc.returncode == 3:
+            pytest.skip(f"Slurm could not be installed here: {proc.stderr.strip()[-500:]}")
+        assert proc.returncode == 0, f"slurm_up.sh up failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        print(f"cluster up in {time.monotonic() - started:.0f} s")
+        yield
+    finally:  # also after a failed `up`: whatever it started is stopped
+        if not was_up:
+            _sh("bash", str(SCRIPT), "down", check=False, timeout=180)
 
 
 def _snakemake(workdir: Path, *extra: str) -> subprocess.Popen:
@@ -107,8 +109,13 @@ def test_generate_jobs_run_as_slurm_jobs_and_a_cancelled_one_resumes(slurm, tmp_
     cluster.mkdir()
     started = time.monotonic()
     proc = _snakemake(cluster, "--workflow-profile", str(PROFILE))
-    cancelled = _cancel_when_checkpointed(cluster, proc)
-    assert proc.wait(timeout=600) == 0, (cluster / "snakemake.out").read_text()[-4000:]
+    try:
+        cancelled = _cancel_when_checkpointed(cluster, proc)
+        assert proc.wait(timeout=600) == 0, (cluster / "snakemake.out").read_text()[-4000:]
+    finally:  # a failed or hung run must not leave Snakemake submitting jobs behind the test
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=120)
     slurm_s = time.monotonic() - started
 
     # Every rule ran as a Slurm job of this run, generate jobs on the gpu partition.

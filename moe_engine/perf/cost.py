@@ -159,9 +159,23 @@ def resident_seqs(wl: WorkloadSpec, policy: Policy) -> int:
     return prefill_pass_seqs(wl, policy) if wl.prefill_only else policy.batch_size
 
 
+def longest_seq_kv_bytes(m: ModelSpec, wl: WorkloadSpec, block_size: int) -> float:
+    """KV of the longest request alone (longest prompt, longest generation): a cache sized for
+    mean-length sequences must still hold it, or the engine rejects that row."""
+    gen = max(wl.gen_lengths) if wl.gen_lengths else wl.gen_len
+    return (blocks_for(wl.max_prompt + gen, block_size) + 1) * block_size * m.kv_bytes_per_token
+
+
+def policy_kv_bytes(m: ModelSpec, wl: WorkloadSpec, policy: Policy) -> float:
+    """The KV cache a policy allocates: its resident sequences, and never less than the longest
+    request alone."""
+    return max(kv_bytes(m, wl, resident_seqs(wl, policy), policy.block_size),
+               longest_seq_kv_bytes(m, wl, policy.block_size))
+
+
 def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> MemoryUse:
     """Device and host bytes a policy needs (the constraints of the search)."""
-    kv = kv_bytes(m, wl, resident_seqs(wl, policy), policy.block_size)
+    kv = policy_kv_bytes(m, wl, policy)
     act = peak_activation_bytes(m, wl, policy)
     if cpu_backend:
         # One pool: every weight, the whole KV cache and the activations live in host memory.

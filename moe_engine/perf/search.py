@@ -1,10 +1,13 @@
-"""Policy search (Lightning 4.2): exhaustive over a small (N, mu, A_g, F_g) grid with the
-resident ratios r_w and r_c solved in closed form, maximizing predicted generation throughput
-under the device and host memory constraints.
+"""Policy search (Lightning 4.2): exhaustive over a small (N, mu, A_g, F_g, prefill pass) grid
+with the resident weight ratio r_w solved in closed form and the KV ratio r_c optimised by a
+golden-section search, maximizing predicted generation throughput under the device and host
+memory constraints.
 
 Lightning solves an MILP per workload (appendix B.2, "less than a minute"); the grid plus the
-closed form for r_w finds the same optimum in a fraction of a second because T is monotone in
-r_w (every resident byte is one byte less over the link and one byte less of host memory).
+closed form for r_w finds the same optimum in about a second because T is monotone in r_w (every
+resident byte is one byte less over the link and one byte less of host memory). T is not
+monotone in r_c (KV read on the device costs device time, KV on the host crosses the link in
+the shadow of compute) but it is convex, so a one-dimensional search finds its best.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from typing import Any, Mapping
 
 from .lens import Stage1Bound, stage1_bound
 from .cost import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_TOKENS, MemoryUse, Policy, Prediction, StepTimes,
-                    activation_bytes, peak_activation_bytes, device_budget, device_weight_bytes, is_cpu_backend, kv_bytes, memory_use,
+                    activation_bytes, peak_activation_bytes, device_budget, device_weight_bytes, is_cpu_backend, memory_use,
+                    policy_kv_bytes,
                     predict)
 from .roofline import decode_attention_cost, expected_active_experts
 from .specs import GB, HardwareSpec, ModelSpec, WorkloadSpec
@@ -134,7 +138,7 @@ def _max_resident_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy
     if w_total + fixed <= budget:
         r_c = 0.0
         if policy.attention_on_device:
-            kv = kv_bytes(m, wl, policy.batch_size, policy.block_size)
+            kv = policy_kv_bytes(m, wl, policy)
             r_c = min(1.0, (budget - w_total - fixed) / kv) if kv else 1.0
         return 1.0, r_c
     denom = w_total - 2.0 * w_layer
@@ -163,7 +167,10 @@ def _useful_pass_sizes(choices: tuple[int, ...], wl: WorkloadSpec, n: int) -> tu
     """The pass sizes that differ for batch n: beyond the prompt tokens a pass can ever hold
     (the run's, or N's for an unbounded one) a larger pass changes nothing, so only the
     smallest of those is kept."""
-    cap = max(n, wl.num_requests) * max(1.0, wl.mean_prompt)
+    if wl.prefill_only:  # passes fill the budget whatever N: only the run's tokens bound them
+        cap = wl.num_requests * max(1.0, wl.mean_prompt) if wl.num_requests else math.inf
+    else:
+        cap = max(n, wl.num_requests) * max(1.0, wl.mean_prompt)
     out = []
     for pf in sorted(choices):
         out.append(pf)

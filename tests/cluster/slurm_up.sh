@@ -41,24 +41,32 @@ install_packages() {
     command -v mariadbd >/dev/null || command -v mysqld >/dev/null || missing+=(mariadb-server)
     if ((${#missing[@]})); then
         log "installing ${missing[*]}"
-        # policy-rc.d keeps the packages from starting their own daemons: this script owns them.
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-        chmod +x /usr/sbin/policy-rc.d
-        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PACKAGES[@]}" >/dev/null; }; then
-            rm -f /usr/sbin/policy-rc.d
+        # policy-rc.d keeps the packages from starting their own daemons (this script owns
+        # them); one the system already has (Docker images ship one) is left as it is.
+        local own_policy=0
+        if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+            printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+            chmod +x /usr/sbin/policy-rc.d
+            own_policy=1
+        fi
+        local ok=1
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${PACKAGES[@]}" >/dev/null || ok=0
+        if ((own_policy)); then rm -f /usr/sbin/policy-rc.d; fi
+        if ((!ok)); then
             log "could not install ${PACKAGES[*]} with apt-get"
             exit 3  # tests/test_slurm.py skips on this code: no cluster to test, not a failure of it
         fi
-        rm -f /usr/sbin/policy-rc.d
     fi
 }
 
 start_munge() {
-    if pgrep -x munged >/dev/null; then return; fi
+    if pgrep -x munged >/dev/null; then return; fi  # the system's: used, never stopped by down
+    install -d "$STATE"
     [[ -s /etc/munge/munge.key ]] || mungekey --create --keyfile=/etc/munge/munge.key
     chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
     install -d -o munge -g munge /run/munge /var/log/munge /var/lib/munge
     runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1
+    touch "$STATE/munged.ours"  # down stops munged only when this script started it
     wait_for 10 munged munge -n
 }
 
@@ -142,30 +150,43 @@ up() {
     sacctmgr -i add user root Account="$ACCOUNT" Cluster="$CLUSTER" >/dev/null 2>&1 || true
     pgrep -x slurmctld >/dev/null || slurmctld </dev/null >/dev/null 2>&1
     pgrep -x slurmd >/dev/null || slurmd </dev/null >/dev/null 2>&1
-    wait_for 60 "the node to be idle" bash -c 'sinfo -h -o "%t" | grep -qx idle'
+    # idle, or already running jobs (mix, alloc) when `up` checks a running cluster
+    wait_for 60 "the node to be up" bash -c 'sinfo -h -o "%t" | grep -qxE "idle|mix|alloc"'
     log "up: $(sinfo -h -o '%P %t %c CPUs %m MB' | tr '\n' ';')"
 }
 
-DAEMONS=(slurmd slurmctld slurmdbd mariadbd munged)
+# The pid files of the daemons `up` started, in the order `down` stops them (the ones that talk
+# to the others first). A daemon the system was already running is left alone.
+pidfiles() {
+    echo "$STATE/slurmd.pid" "$STATE/slurmctld.pid" "$STATE/slurmdbd.pid" "$STATE/mysql/mysqld.pid"
+    if [[ -e $STATE/munged.ours ]]; then echo /run/munge/munged.pid; fi
+}
 
-none_running() {
-    local d
-    for d in "${DAEMONS[@]}"; do
-        if pgrep -x "$d" >/dev/null; then return 1; fi
+# True when none of the given pids is alive (daemons remove their pid file as they begin to
+# shut down, so `down` waits on the pids it read, not on the files).
+none_alive() {
+    local pid
+    for pid in "$@"; do
+        if kill -0 "$pid" 2>/dev/null; then return 1; fi
     done
 }
 
 down() {
-    # Order: the daemons that talk to the others first.
-    if pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null; then
+    [[ -d $STATE ]] || { log "down: nothing to stop"; return; }
+    if [[ -s $STATE/slurmctld.pid ]] && kill -0 "$(cat "$STATE/slurmctld.pid")" 2>/dev/null; then
+        # Jobs first, and wait for their steps to end: killing slurmd under a running step
+        # would leave the job's processes behind.
         scancel --full --user=root >/dev/null 2>&1 || true
-        pkill -x slurmd || true
-        pkill -x slurmctld || true
+        wait_for 60 "the jobs to end" bash -c '[[ -z $(squeue -h 2>/dev/null) ]] && ! pgrep -x slurmstepd'
     fi
-    pkill -x slurmdbd || true
-    if [[ -S $DB_SOCKET ]]; then mysqladmin --socket="$DB_SOCKET" shutdown >/dev/null 2>&1 || true; fi
-    pkill -x munged || true
-    wait_for 30 "the daemons to stop" none_running
+    local f pids=()
+    for f in $(pidfiles); do
+        if [[ -s $f ]]; then pids+=("$(cat "$f")"); fi
+    done
+    if ((${#pids[@]})); then
+        kill "${pids[@]}" 2>/dev/null || true
+        wait_for 60 "the daemons to stop" none_alive "${pids[@]}"
+    fi
     rm -rf "$STATE" /etc/slurm/slurm.conf /etc/slurm/slurmdbd.conf
     log "down"
 }
