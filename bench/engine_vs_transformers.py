@@ -51,19 +51,6 @@ def load_rows(n: int) -> list[dict]:
     return rows[:n]
 
 
-def measure_bandwidth_gbps(threads: int, mib: int = 1024, reps: int = 5) -> float:
-    """Read bandwidth: sum over a buffer far larger than the last-level cache (best of reps)."""
-    torch.set_num_threads(threads)
-    x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
-
-
 def measure_gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> float:
     """fp32 GEMM rate on a square 2048^3 problem (best of reps)."""
     torch.set_num_threads(threads)
@@ -185,7 +172,7 @@ def main() -> None:
     print(f"checkpoint {model_dir}; {len(rows)} prompts, {args.new_tokens} new tokens, "
           f"{args.threads} threads, fp32", flush=True)
 
-    bw = args.bandwidth_gbps or measure_bandwidth_gbps(args.threads)
+    bw = args.bandwidth_gbps or machine_info.read_bandwidth_gbps(args.threads)
     gemm = args.gemm_gflops or measure_gemm_gflops(args.threads)
     print(f"machine: read bandwidth {bw:.1f} GB/s, fp32 GEMM {gemm:.0f} GFLOP/s", flush=True)
 

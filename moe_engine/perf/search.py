@@ -194,24 +194,24 @@ def _best_kv_ratio(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, at_max:
             return at_max
     evaluated = {r_max: at_max}
 
-    def time_at(r: float) -> float:
+    def neg_throughput(r: float) -> float:  # minimised: the tokens are fixed, so it follows time
         if r not in evaluated:
             evaluated[r] = predict(model, hw, wl, dataclasses.replace(p, kv_device_ratio=r), False)
         return -evaluated[r].throughput_tok_s
 
     lo, hi = 0.0, r_max
     a, b = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
-    fa, fb = time_at(a), time_at(b)
-    time_at(0.0)
+    fa, fb = neg_throughput(a), neg_throughput(b)
+    neg_throughput(0.0)
     while hi - lo > KV_RATIO_TOLERANCE * max(r_max, 1e-12):
         if fa <= fb:
             hi, b, fb = b, a, fa
             a = hi - GOLDEN * (hi - lo)
-            fa = time_at(a)
+            fa = neg_throughput(a)
         else:
             lo, a, fa = a, b, fb
             b = lo + GOLDEN * (hi - lo)
-            fb = time_at(b)
+            fb = neg_throughput(b)
     return max(evaluated.values(), key=lambda pr: (pr.throughput_tok_s, pr.policy.kv_device_ratio))
 
 

@@ -2,11 +2,12 @@
 
 Completed results are appended to `<out>.ckpt.jsonl` every `engine.checkpoint_every` results
 (flushed and fsynced). The stats name the rows this attempt generated and their tokens apart
-from the resumed ones, since the attempt's time covers only the former. A job killed at any point, SIGKILL included, loses at most the results
-since the last flush: on restart, rows found in the checkpoint are not regenerated. The first
-line of the checkpoint fingerprints the resolved config and the shard, so a checkpoint written
-under other settings is discarded rather than mixed in. The shard's output Parquet is written
-to a temporary name and renamed only when every row is present.
+from the resumed ones, since the attempt's time covers only the former. A job killed at any
+point, SIGKILL included, loses at most the results since the last flush: on restart, rows
+found in the checkpoint are not regenerated. The first line of the checkpoint fingerprints the
+resolved config and the shard, so a checkpoint written under other settings is discarded rather
+than mixed in. The shard's output Parquet is written to a temporary name and renamed only when
+every row is present.
 """
 from __future__ import annotations
 
