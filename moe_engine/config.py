@@ -157,6 +157,14 @@ class EngineConfig:
     device_memory_gb: Optional[float] = None  # the pager's budget; null = unlimited
     packet_mb: float = 32.0  # largest weight copy in the link at once (MoE-Lens 6.5)
     emulated_link_gbps: Optional[float] = None  # CPU backend only: simulate a slower link
+    # Disk tier (docs/offload.md): experts beyond the host tier stay on disk and are read on
+    # demand. host_resident_ratio (r_host) is the hottest fraction of each layer's experts held
+    # in host memory; host_memory_gb the host weight budget (dense + host experts + read ring),
+    # which sizes r_host when that is null. Both null: every expert in host memory.
+    host_resident_ratio: Optional[float] = None
+    host_memory_gb: Optional[float] = None
+    disk_read_mb: float = 16.0  # largest disk read in flight (one packet)
+    disk_direct_io: bool = True  # O_DIRECT reads; false: buffered reads dropped from the cache
     checkpoint_every: int = 32
 
 
@@ -416,6 +424,17 @@ def validate(cfg: AppConfig) -> None:
            "engine.emulated_link_gbps", e.emulated_link_gbps,
            "an emulated link exists only on the cpu backend (CUDA has a real one)")
     _check(e.checkpoint_every >= 1, "engine.checkpoint_every", e.checkpoint_every, "must be >= 1")
+    _check(e.host_resident_ratio is None or 0.0 <= e.host_resident_ratio <= 1.0,
+           "engine.host_resident_ratio", e.host_resident_ratio,
+           "must be in [0, 1] (or null: every expert in host memory unless host_memory_gb is set)")
+    _check(e.host_memory_gb is None or e.host_memory_gb > 0, "engine.host_memory_gb",
+           e.host_memory_gb, "must be > 0 (or null for no host weight budget)")
+    _check(e.disk_read_mb > 0, "engine.disk_read_mb", e.disk_read_mb, "must be > 0")
+    disk_tier = e.host_resident_ratio is not None or e.host_memory_gb is not None
+    _check(not (disk_tier and e.backend is not DeviceKind.cpu and e.host_resident_ratio is not None
+                and e.resident_ratio > e.host_resident_ratio), "engine.resident_ratio",
+           e.resident_ratio, "the device tier lies inside the host tier: must be <= "
+           "engine.host_resident_ratio")
     on_cpu = e.backend is DeviceKind.cpu
     _check(not (e.gemm is GemmImpl.packed and not on_cpu), "engine.gemm",
            e.gemm.value, "the packed kernels run on the CPU backend; use auto or torch with cuda")
@@ -424,11 +443,6 @@ def validate(cfg: AppConfig) -> None:
            "engine.expert_dtype", e.expert_dtype.value,
            "quantized experts run on the packed CPU kernels (engine.backend=cpu, engine.gemm "
            "auto or packed)")
-    _check(not (quantized and (e.resident_ratio < 1.0 or e.offload_pipeline
-                               or e.emulated_link_gbps is not None)),
-           "engine.expert_dtype", e.expert_dtype.value,
-           "quantized experts are not paged yet: keep engine.resident_ratio=1 without the offload "
-           "pipeline")
 
 
 def to_yaml(cfg: AppConfig) -> str:

@@ -29,7 +29,8 @@ from moe_engine.model.kv_cache import KVCache, blocks_for_budget
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
 from moe_engine.model.spec import load_spec
-from moe_engine.offload.build import build_offload_pipeline, offload_settings
+from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
+from moe_engine.offload.routing import find_profile
 from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
 
 
@@ -58,7 +59,12 @@ class LLMEngine:
         kv_dtype = self.dtype if kv is DType.auto else resolve_dtype(kv.value, self.spec)
         tokenizer = load_tokenizer(model_dir)
         max_model_len = min(self.spec.max_position_embeddings, tokenizer.model_max_length)
-        weights = load_weights(model_dir, self.spec, self.dtype)
+        settings = offload_settings(config)
+        disk_tier = settings is not None and settings.disk_tier
+        # With the disk tier the experts are not loaded here: the host tier is read from disk
+        # when the pager is built, the rest on demand.
+        weights = load_weights(model_dir, self.spec, self.dtype, experts=not disk_tier)
+        self.expert_storage: Optional[str] = None
         if self.gemm == "packed":
             storage = packed.storage_name(self.dtype)
             experts = ExpertDType(config.expert_dtype)
@@ -75,8 +81,17 @@ class LLMEngine:
         self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,
                         tokenizer)
         self.threads = threads
-        settings = offload_settings(config)
-        if settings is not None:
+        if disk_tier:
+            # The plain runner has no experts to calibrate on: the pipeline records a missing
+            # routing profile for the next run (this one ranks experts by index).
+            routing = find_profile(model_dir)
+            source = expert_source(model_dir, self.spec, self.dtype, self.expert_storage)
+            self.offload = build_offload_pipeline(self.runner, settings, routing=routing,
+                                                  experts=source)
+            self.runner = self.offload
+            if routing is None:
+                find_or_record_routing(self, model_dir, 0.0)
+        elif settings is not None:
             routing = find_or_record_routing(self, model_dir, settings.resident_ratio)
             self.offload = build_offload_pipeline(self.runner, settings, routing=routing)
             self.runner = self.offload

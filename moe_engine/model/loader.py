@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -36,8 +37,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype) -> ModelWeights:
-    """Read every tensor through the architecture's name table, cast to `dtype`, fuse projections."""
+def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
+                 experts: bool = True) -> ModelWeights:
+    """Read every tensor through the architecture's name table, cast to `dtype`, fuse projections.
+
+    experts=False leaves every routed expert on disk (None in its layer, never read): the disk
+    tier (offload/disk_tier.py) reads them itself, so a model larger than memory loads.
+    """
     model_dir = Path(model_dir)
     table = NameTable(spec.architecture)
     glob: dict[str, torch.Tensor] = {}
@@ -47,7 +53,7 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype) -> 
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 m = table.match(name)
-                if m is None:
+                if m is None or (not experts and m.scope in ("expert", "fused")):
                     continue
                 t = f.get_tensor(name).to(dtype)
                 if m.scope == "global":
@@ -69,13 +75,16 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype) -> 
     layers = []
     for i in range(spec.num_layers):
         dense = _dense_layer(layer[i], spec, i, model_dir)
-        experts = []
+        routed: list[Optional[ExpertWeights]] = []
         for e in range(spec.num_experts if spec.is_moe_layer(i) else 0):
+            if not experts:
+                routed.append(None)
+                continue
             x = expert.get((i, e), {})
             if not {"w1", "w2", "w3"} <= x.keys():
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete")
-            experts.append(_swiglu(x))
-        layers.append(LayerWeights(dense, experts))
+            routed.append(_swiglu(x))
+        layers.append(LayerWeights(dense, routed))
     return ModelWeights(embed=glob["embed"], final_norm=glob["final_norm"], lm_head=lm_head,
                         layers=layers)
 

@@ -205,6 +205,7 @@ def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> Mode
             mlp=mlp(d.mlp), shared_expert=mlp(d.shared_expert),
             shared_expert_gate=fp32(d.shared_expert_gate))
         layers.append(LayerWeights(dense, [pack_expert(x.w13, x.w2, expert_storage)
+                                           if x is not None else None  # on disk
                                            for x in layer.experts]))
         weights.layers[i] = None  # the unpacked layer can go now
     return ModelWeights(embed=weights.embed, final_norm=small(weights.final_norm),

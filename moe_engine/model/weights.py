@@ -87,10 +87,12 @@ class DenseLayerWeights:
 @dataclass
 class LayerWeights:
     dense: DenseLayerWeights
-    experts: list[ExpertWeights]  # empty in a dense layer
+    # Empty in a dense layer; an expert the loader left on disk (the disk tier reads it) is None.
+    experts: list[Optional[ExpertWeights]]
 
     def nbytes(self) -> int:
-        return self.dense.nbytes() + sum(e.nbytes() for e in self.experts)
+        """Bytes in memory (experts left on disk count nothing)."""
+        return self.dense.nbytes() + sum(e.nbytes() for e in self.experts if e is not None)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -90,11 +90,12 @@ class CopyWorker:
     whole layer of weights.
     """
 
-    def __init__(self, transfer: Callable[[torch.Tensor, torch.Tensor, CopyHandle], None],
-                 trace: Optional[Trace], name: str):
+    def __init__(self, transfer: Callable[[torch.Tensor, Any, CopyHandle], None],
+                 trace: Optional[Trace], name: str, lane: str = COPY_LANE):
         self._transfer = transfer
         self._trace = trace
-        self._queue: list[tuple[int, int, CopyHandle, torch.Tensor, torch.Tensor]] = []
+        self._lane = lane
+        self._queue: list[tuple[int, tuple, int, CopyHandle, torch.Tensor, Any]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -103,12 +104,17 @@ class CopyWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, label: str, urgent: bool) -> CopyHandle:
+    def submit(self, dst: torch.Tensor, src: Any, label: str, urgent: bool,
+               rank: tuple = ()) -> CopyHandle:
+        """Queue a copy of `src` (anything with `nbytes` that the transfer function moves) into
+        `dst`. Urgent copies go first, then lower `rank` (the order the reader will need them
+        in; all () by default), then submission order."""
         handle = CopyHandle(src.nbytes, label)
         with self._cv:
             if self._closed:
                 raise RuntimeError("copy worker is closed")
-            heapq.heappush(self._queue, (0 if urgent else 1, next(self._seq), handle, dst, src))
+            heapq.heappush(self._queue,
+                           (0 if urgent else 1, rank, next(self._seq), handle, dst, src))
             self._cv.notify()
         return handle
 
@@ -119,7 +125,7 @@ class CopyWorker:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for _, _, handle, _, _ in self._queue:
+            for _, _, _, handle, _, _ in self._queue:
                 handle.cancel()
             self._queue.clear()
             self._cv.notify()
@@ -132,7 +138,7 @@ class CopyWorker:
                     self._cv.wait()
                 if self._closed and not self._queue:
                     return
-                _, _, handle, dst, src = heapq.heappop(self._queue)
+                _, _, _, handle, dst, src = heapq.heappop(self._queue)
             if not handle._claim():
                 continue
             t0 = time.perf_counter()
@@ -144,7 +150,7 @@ class CopyWorker:
             t1 = time.perf_counter()
             self.busy_s += t1 - t0
             if self._trace is not None:
-                self._trace.add(COPY_LANE, handle.label, t0, t1)
+                self._trace.add(self._lane, handle.label, t0, t1)
             handle._event.set()
 
 
@@ -153,6 +159,9 @@ class Backend(ABC):
 
     name: str
     device: torch.device
+    # Whether device memory is host memory (the CPU backend): a host buffer is then already
+    # where compute reads it, and disk reads land in place.
+    device_is_host: bool = False
 
     @abstractmethod
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -209,6 +218,7 @@ class CpuBackend(Backend):
     """
 
     name = "cpu"
+    device_is_host = True
 
     def __init__(self, emulated_link_gbps: Optional[float] = None,
                  trace: Optional[Trace] = None):

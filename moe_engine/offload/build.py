@@ -11,6 +11,9 @@ from typing import Optional
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.model.attention import DecodeAttention
 from moe_engine.offload.backend import make_backend
+from moe_engine.offload.disk import DirectReader
+from moe_engine.offload.disk_tier import DiskTier, HostTierPlan, plan_host_tier
+from moe_engine.offload.expert_store import ExpertFile, ExpertSource, checkpoint_source
 from moe_engine.offload.pager import WeightPager
 from moe_engine.offload.pipeline import OffloadPipeline
 from moe_engine.offload.placement import (ExpertLatencyProfile, ExpertPlacer, LatencyCurve,
@@ -34,6 +37,15 @@ class OffloadSettings:
     packet_bytes: int = 32 << 20
     emulated_link_gbps: Optional[float] = None  # CPU backend only: a simulated slower link
     group_ffn: str = "layer"
+    # Disk tier: on when either is set (see EngineConfig).
+    host_resident_ratio: Optional[float] = None
+    host_memory_bytes: Optional[int] = None
+    disk_packet_bytes: int = 16 << 20
+    disk_direct_io: bool = True
+
+    @property
+    def disk_tier(self) -> bool:
+        return self.host_resident_ratio is not None or self.host_memory_bytes is not None
 
 
 def offload_settings(config) -> Optional[OffloadSettings]:
@@ -41,11 +53,13 @@ def offload_settings(config) -> Optional[OffloadSettings]:
     resident CPU run with no emulated link (the pipeline only adds overhead there unless asked
     for, see docs/offload.md)."""
     backend = getattr(config.backend, "value", config.backend)
-    wanted = (backend != "cpu" or config.resident_ratio < 1.0
+    disk = config.host_resident_ratio is not None or config.host_memory_gb is not None
+    wanted = (backend != "cpu" or config.resident_ratio < 1.0 or disk
               or config.emulated_link_gbps is not None or config.offload_pipeline)
     if not wanted:
         return None
     budget = config.device_memory_gb
+    host = config.host_memory_gb
     return OffloadSettings(
         backend=backend, resident_ratio=config.resident_ratio,
         attention_on_device=config.attention_on_device, ffn_on_device=config.ffn_on_device,
@@ -53,7 +67,11 @@ def offload_settings(config) -> Optional[OffloadSettings]:
         device_memory_bytes=None if budget is None else int(budget * 1e9),
         packet_bytes=max(1, int(config.packet_mb * (1 << 20))),
         emulated_link_gbps=config.emulated_link_gbps,
-        group_ffn=getattr(config.group_ffn, "value", config.group_ffn))
+        group_ffn=getattr(config.group_ffn, "value", config.group_ffn),
+        host_resident_ratio=config.host_resident_ratio,
+        host_memory_bytes=None if host is None else int(host * 1e9),
+        disk_packet_bytes=max(1, int(config.disk_read_mb * (1 << 20))),
+        disk_direct_io=config.disk_direct_io)
 
 
 # A streamed expert "costs" this much on the CPU when cpu_experts is off: never cheaper.
@@ -63,36 +81,96 @@ _NEVER_ON_CPU = 1e9
 def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                            routing: Optional[RoutingProfile] = None,
                            latency: Optional[ExpertLatencyProfile] = None,
-                           trace: Optional[Trace] = None) -> OffloadPipeline:
+                           trace: Optional[Trace] = None,
+                           experts: Optional[ExpertSource] = None) -> OffloadPipeline:
     """Wrap `runner` (its weights moved behind a pager) into an OffloadPipeline.
 
     Residency follows `routing`; without one it follows expert index (with a warning when
     experts are streamed). The expert latency profile is measured on this backend unless given
-    (or not needed: r_w 1).
+    (or not needed: r_w 1). With the disk tier, `experts` is where the experts are on disk
+    (the runner was loaded without them); the host tier is read from it here.
     """
     spec = runner.spec
     backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
+    resident_ratio = settings.resident_ratio
+    disk, plan = None, None
+    if settings.disk_tier:
+        if experts is None:
+            raise ValueError("the disk tier needs the experts' source on disk")
+        plan = plan_host_tier(runner.weights.nbytes(), experts.layout.nbytes,
+                              spec.num_moe_layers, spec.num_experts,
+                              settings.host_resident_ratio, settings.host_memory_bytes)
+        # On the CPU backend device memory is host memory: the host tier is the resident set.
+        if backend.device_is_host:
+            resident_ratio = plan.ratio
+        elif resident_ratio > plan.ratio:
+            raise ValueError(f"engine.resident_ratio={resident_ratio} exceeds the host tier's "
+                             f"{plan.ratio}: the device tier lies inside the host tier")
     if routing is None:
-        if settings.resident_ratio < 1.0:
+        if resident_ratio < 1.0:
             log.warning("no routing profile for this model: resident experts chosen by index; "
                         "record one with moe_engine.engine.calibrate.calibrate_routing")
         routing = RoutingProfile.uniform(spec.num_layers, spec.num_experts)
+    if plan is not None:
+        disk = _disk_tier(runner, experts, routing, plan, settings, trace)
     # Only streamed experts are placed by latency; fully resident (a calibration run, or a model
-    # that fits) skips the measurement, which costs seconds for real expert sizes.
-    if latency is None and settings.resident_ratio < 1.0:
+    # that fits) skips the measurement, which costs seconds for real expert sizes. Disk experts
+    # are never placed (they run where they are read to).
+    if latency is None and resident_ratio < 1.0 and not settings.disk_tier:
         proto = next(layer.experts[0] for layer in runner.weights.layers if layer.experts)
         latency = measure_expert_profile(backend, proto.w13, proto.w2)
     if latency is not None and not settings.cpu_experts:
         latency = _without_cpu_experts(latency)
-    pager = WeightPager(runner.weights, backend, routing, settings.resident_ratio,
+    pager = WeightPager(runner.weights, backend, routing, resident_ratio,
                         packet_bytes=settings.packet_bytes,
-                        budget_bytes=settings.device_memory_bytes)
+                        budget_bytes=settings.device_memory_bytes, disk=disk)
     runner.weights = pager.device_weights
     if backend.name != "cpu":
         _place_runner_state(runner, backend, pager, settings.attention_on_device)
     return OffloadPipeline(runner, pager, ExpertPlacer(latency, settings.ffn_on_device),
                            attention_on_device=settings.attention_on_device,
                            group_ffn=settings.group_ffn, trace=trace)
+
+
+def expert_source(model_dir, spec, dtype, expert_storage: Optional[str],
+                  progress: bool = False) -> ExpertSource:
+    """Where the disk tier reads experts: the checkpoint itself when the engine computes on its
+    tensors as stored (torch GEMMs, the checkpoint's dtype), else the one-time expert file in
+    the engine's form (`expert_storage`: the packed kernels' storage, None for torch)."""
+    import torch
+
+    from moe_engine.model import packed
+    from moe_engine.model.weights import ExpertWeights
+
+    if expert_storage is None:
+        source = checkpoint_source(model_dir, spec, dtype)
+        if source is not None:
+            return source
+        name = str(dtype).replace("torch.", "")
+        return ExpertFile.open_or_build(model_dir, spec, dtype, f"rowmajor-{name}",
+                                        lambda x: x, progress=progress)
+
+    def pack(x: ExpertWeights) -> ExpertWeights:
+        return packed.pack_expert(x.w13, x.w2, expert_storage)
+
+    fmt = f"packed{packed.NR}-{expert_storage}-from-{str(dtype).replace('torch.', '')}"
+    assert isinstance(dtype, torch.dtype)
+    return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack, progress=progress)
+
+
+def _disk_tier(runner: ModelRunner, experts: ExpertSource, routing: RoutingProfile,
+               plan: HostTierPlan, settings: OffloadSettings, trace: Optional[Trace]) -> DiskTier:
+    """Read the host tier (each layer's hottest experts) into the runner's weights and open the
+    disk tier for the rest."""
+    reader = DirectReader(settings.disk_direct_io)
+    for i, layer in enumerate(runner.weights.layers):
+        for e in routing.resident_set(i, plan.ratio) if layer.experts else ():
+            if layer.experts[e] is None:
+                layer.experts[e] = experts.load(i, e, reader)
+    log.info("disk tier: %d of %d experts per layer in host memory, a ring of %d expert slots "
+             "(%.0f MB), reads %s", plan.host_experts, runner.spec.num_experts, plan.ring_slots,
+             plan.ring_slots * experts.layout.nbytes / 1e6, reader.mode)
+    return DiskTier(experts, max(1, plan.ring_slots), settings.disk_packet_bytes, reader, trace)
 
 
 def _place_runner_state(runner: ModelRunner, backend, pager: WeightPager,

@@ -11,6 +11,12 @@ Layout (Lightning A.1, MoE-Lens 6.5):
 - Each expert moves as packets of at most `packet_bytes`, queued hot-first, so activation
   copies never wait behind a whole layer and `wait(layer, expert)` blocks only for the packets
   of the expert needed now.
+- With a disk tier (offload/disk_tier.py), experts the loader left on disk (None in the model's
+  weights) are read into the disk tier's RAM ring in the order the step consumes them. On a
+  backend whose device is the host (CPU) the ring slot is what computes; on CUDA a landed slot
+  is copied into the device ring like a host-store expert (disk -> host -> device).
+- An expert is one flat byte buffer in `ExpertLayout` (its w13, w2 and, quantized, scales),
+  the same unit in the host store, the device ring and the disk tier.
 
 Every device byte is reserved up front against the budget; nothing is allocated per step, so
 the high-water mark is the reservation and a budget that is too small fails at construction.
@@ -23,8 +29,10 @@ from typing import Iterable, Optional
 
 import torch
 
-from moe_engine.offload.backend import Backend, CopyHandle
 from moe_engine.model.weights import ExpertWeights, LayerWeights, ModelWeights
+from moe_engine.offload.backend import Backend, CopyHandle
+from moe_engine.offload.disk_tier import DiskTier
+from moe_engine.offload.expert_store import ExpertLayout
 from moe_engine.offload.routing import RoutingProfile
 
 
@@ -78,7 +86,7 @@ class WeightPager:
 
     def __init__(self, weights: ModelWeights, backend: Backend, profile: RoutingProfile,
                  resident_ratio: float, packet_bytes: int = 32 << 20,
-                 budget_bytes: Optional[int] = None):
+                 budget_bytes: Optional[int] = None, disk: Optional[DiskTier] = None):
         if not 0.0 <= resident_ratio <= 1.0:
             raise ValueError(f"resident_ratio must be in [0, 1], got {resident_ratio}")
         if packet_bytes < 1:
@@ -89,23 +97,37 @@ class WeightPager:
         if not moe_layers:
             raise ValueError("the model has no expert layers to page")
         first = layers[min(moe_layers)].experts
-        proto = first[0]
         if profile.num_layers != len(layers) or profile.num_experts != len(first):
             raise ValueError("routing profile shape does not match the model")
         self.backend = backend
         self.profile = profile
         self.resident_ratio = resident_ratio
-        self._w13_shape, self._w2_shape = tuple(proto.w13.shape), tuple(proto.w2.shape)
-        self._w13_numel = proto.w13.numel()
-        self.expert_numel = self._w13_numel + proto.w2.numel()
-        self.dtype = proto.w13.dtype
-        self.expert_bytes = self.expert_numel * proto.w13.element_size()
-        self.packet_numel = max(1, packet_bytes // proto.w13.element_size())
+        self.disk = disk
+        # Experts the loader left on disk: None in the weights, read through the disk tier.
+        self.on_disk = [frozenset(e for e, x in enumerate(layer.experts) if x is None)
+                        for layer in layers]
+        present = [x for layer in layers for x in layer.experts if x is not None]
+        if any(self.on_disk) and disk is None:
+            raise ValueError("experts were left on disk but no disk tier reads them")
+        self.layout = ExpertLayout.of(present[0]) if present else disk.layout
+        if disk is not None and disk.layout != self.layout:
+            raise ValueError(f"the disk tier's expert layout {disk.layout} differs from the "
+                             f"loaded experts' {self.layout}")
+        self.expert_bytes = self.layout.nbytes
+        self.packet_bytes = packet_bytes
 
         self.resident = [profile.resident_set(i, resident_ratio) if i in moe_layers
                          else frozenset() for i in range(len(layers))]
-        # Streamed experts of each layer, hottest first: their order in the host store and ring.
-        self.streamed = [[e for e in profile.ranking(i) if e not in self.resident[i]]
+        for i, res in enumerate(self.resident):
+            if res & self.on_disk[i]:
+                raise ValueError(f"layer {i}: experts {sorted(res & self.on_disk[i])} are to be "
+                                 f"resident on the device but were left on disk (the device tier "
+                                 f"must be inside the host tier: resident_ratio <= host ratio)")
+        # Streamed experts of each layer, hottest first: their order in the ring. Disk experts
+        # stream through the device ring only when the device is not the host itself.
+        via_ring = not backend.device_is_host
+        self.streamed = [[e for e in profile.ranking(i) if e not in self.resident[i]
+                          and (via_ring or e not in self.on_disk[i])]
                          if i in moe_layers else [] for i in range(len(layers))]
         slot_experts = max((len(s) for s in self.streamed), default=0)
 
@@ -113,13 +135,17 @@ class WeightPager:
         self._check_budget(weights, slot_experts)
         self.device_weights = self._place_resident(weights)
         self.host_experts = self._pack_host_store(weights)
-        ring = 2 * slot_experts * self.expert_numel
-        self.ledger.reserve(ring * proto.w13.element_size(), "page ring")
-        self._slots = [_Slot(backend.empty(slot_experts * self.expert_numel, self.dtype))
+        self.ledger.reserve(2 * slot_experts * self.expert_bytes, "page ring")
+        self._slots = [_Slot(backend.empty(slot_experts * self.expert_bytes, torch.uint8))
                        for _ in range(2)] if slot_experts else []
         self._position = [{e: p for p, e in enumerate(s)} for s in self.streamed]
         self._seq = 0
         self._releases = 0
+        # Disk reads are ordered by layer visit (prefetch order), then hotness.
+        self._visits = 0
+        self._visit_of: dict[int, int] = {}
+        self._rank = [{e: r for r, e in enumerate(profile.ranking(i))}
+                      for i in range(len(layers))]
         self.stats = PagerStats()
 
     def _check_budget(self, weights: ModelWeights, slot_experts: int) -> None:
@@ -152,39 +178,41 @@ class WeightPager:
         layers = []
         for i, layer in enumerate(weights.layers):
             dense = layer.dense.map(lambda t, i=i: self._to_device(t, f"layer {i} dense"))
-            experts = [ExpertWeights(self._to_device(x.w13, f"layer {i} expert {e}"),
-                                     self._to_device(x.w2, f"layer {i} expert {e}"))
+            experts = [x.map(lambda t, i=i, e=e: self._to_device(t, f"layer {i} expert {e}"))
                        if e in self.resident[i] else None
                        for e, x in enumerate(layer.experts)]
             layers.append(LayerWeights(dense, experts))
         return ModelWeights(embed=embed, final_norm=self._to_device(weights.final_norm, "norm"),
                             lm_head=lm_head, layers=layers)
 
-    def _pack_host_store(self, weights: ModelWeights) -> list[list[ExpertWeights]]:
-        """Every expert's host weights; streamed ones repacked contiguously per layer, hottest
-        first, so a layer's transfer is one contiguous range cut into packets."""
+    def _pack_host_store(self, weights: ModelWeights) -> list[list[Optional[ExpertWeights]]]:
+        """Every expert's host weights (None for disk experts); streamed ones in host memory
+        repacked contiguously per layer, hottest first, so a layer's transfer is one
+        contiguous range cut into packets."""
         self._host_flat: list[torch.Tensor] = []
+        self._host_pos: list[dict[int, int]] = []
         host = []
         for i, layer in enumerate(weights.layers):
             experts = list(layer.experts)
-            flat = torch.empty(len(self.streamed[i]) * self.expert_numel, dtype=self.dtype)
-            for p, e in enumerate(self.streamed[i]):
-                part = flat[p * self.expert_numel:(p + 1) * self.expert_numel]
-                part[:self._w13_numel].copy_(experts[e].w13.reshape(-1))
-                part[self._w13_numel:].copy_(experts[e].w2.reshape(-1))
+            in_host = [e for e in self.streamed[i] if e not in self.on_disk[i]]
+            flat = torch.empty(len(in_host) * self.expert_bytes, dtype=torch.uint8)
+            for p, e in enumerate(in_host):
+                self.layout.write(experts[e], self._bytes(flat, p))
             flat = self.backend.host_store(flat)
             self._host_flat.append(flat)
-            for p, e in enumerate(self.streamed[i]):
+            self._host_pos.append({e: p for p, e in enumerate(in_host)})
+            for p, e in enumerate(in_host):
                 experts[e] = self._view(flat, p)
                 # The model's own copy is dropped so host memory holds one copy of each expert.
                 layer.experts[e] = experts[e]
             host.append(experts)
         return host
 
+    def _bytes(self, flat: torch.Tensor, position: int) -> torch.Tensor:
+        return flat[position * self.expert_bytes:(position + 1) * self.expert_bytes]
+
     def _view(self, flat: torch.Tensor, position: int) -> ExpertWeights:
-        part = flat[position * self.expert_numel:(position + 1) * self.expert_numel]
-        return ExpertWeights(part[:self._w13_numel].view(self._w13_shape),
-                             part[self._w13_numel:].view(self._w2_shape))
+        return self.layout.view(self._bytes(flat, position))
 
     def is_resident(self, layer: int, expert: int) -> bool:
         return expert in self.resident[layer]
@@ -194,23 +222,44 @@ class WeightPager:
         return sum(s.flat.nbytes for s in self._slots)
 
     def host_expert(self, layer: int, expert: int) -> ExpertWeights:
-        """The expert's weights in host memory (for CPU compute)."""
-        return self.host_experts[layer][expert]
+        """The expert's weights in host memory (for CPU compute); not for disk experts."""
+        x = self.host_experts[layer][expert]
+        if x is None:
+            raise ValueError(f"layer {layer} expert {expert} is on disk: it is computed where "
+                             f"it is read to (wait), never from the host store")
+        return x
+
+    def is_on_disk(self, layer: int, expert: int) -> bool:
+        return expert in self.on_disk[layer]
+
+    def _order(self, layer: int, expert: int) -> tuple[int, int]:
+        """When the step needs the expert: its layer's visit, then its hotness rank."""
+        visit = self._visit_of.get(layer)
+        if visit is None:
+            visit = self._visit_of[layer] = self._visits
+            self._visits += 1
+        return visit, self._rank[layer][expert]
 
     def bytes_to_move(self, layer: int, expert: int) -> int:
         """Bytes of the expert not yet on the device (0 for resident or landed experts)."""
         if self.is_resident(layer, expert):
             return 0
+        if expert in self.on_disk[layer] and self.backend.device_is_host:
+            return self.expert_bytes  # read from disk: nowhere else to compute it
         slot = self._slot_of(layer)
         handles = slot.handles.get(expert) if slot is not None else None
         if handles is None:
             return self.expert_bytes
         return sum(h.nbytes for h in handles if not h.done())
 
-    def issue_order(self, layer: int, expert: int) -> Optional[int]:
-        """Sequence number of the expert's first packet (arrival order), None if not issued."""
+    def issue_order(self, layer: int, expert: int) -> Optional[tuple[int, int]]:
+        """When the expert's pages arrive relative to the layer's others (arrival order), None
+        if not issued. Disk reads land after the host store's copies, in hotness order."""
+        if expert in self.on_disk[layer] and self.backend.device_is_host:
+            return (1, self._rank[layer][expert]) if self.disk.requested(layer, expert) else None
         slot = self._slot_of(layer)
-        return None if slot is None else slot.issue_seq.get(expert)
+        seq = None if slot is None else slot.issue_seq.get(expert)
+        return None if seq is None else (0, seq)
 
     def _slot_of(self, layer: int) -> Optional[_Slot]:
         for slot in self._slots:
@@ -219,12 +268,21 @@ class WeightPager:
         return None
 
     def prefetch(self, layer: int, experts: Optional[Iterable[int]] = None) -> None:
-        """Queue the pages of `layer`'s streamed experts (default: all, hottest first)."""
-        if not self._slots or not self.streamed[layer]:
+        """Queue the pages of `layer`'s streamed experts (default: all, hottest first); disk
+        experts are read into the disk tier (on CUDA their device copy waits for `wait`)."""
+        if experts is None:
+            experts = list(self.streamed[layer]) + sorted(
+                self.on_disk[layer] - set(self.streamed[layer]), key=self._rank[layer].get)
+        experts = [e for e in experts if not self.is_resident(layer, e)]
+        for e in experts:
+            if e in self.on_disk[layer]:
+                self.disk.request(layer, e, self._order(layer, e))
+        ring = [e for e in experts if e in self._position[layer] and e not in self.on_disk[layer]]
+        if not ring or not self._slots:
             return
         slot = self._claim(layer)
-        for e in (self.streamed[layer] if experts is None else experts):
-            if e not in slot.handles and not self.is_resident(layer, e):
+        for e in ring:
+            if e not in slot.handles:
                 self._issue(slot, layer, e)
 
     def _claim(self, layer: int) -> _Slot:
@@ -253,16 +311,18 @@ class WeightPager:
         slot.layer, slot.released = layer, False
         return slot
 
-    def _issue(self, slot: _Slot, layer: int, expert: int) -> None:
-        pos = self._position[layer][expert]
-        base = pos * self.expert_numel
-        src = self._host_flat[layer]
+    def _issue(self, slot: _Slot, layer: int, expert: int,
+               src: Optional[torch.Tensor] = None) -> None:
+        """Queue the expert's packets into its ring position, from the host store or from
+        `src` (its landed disk-tier slot)."""
+        dst = self._bytes(slot.flat, self._position[layer][expert])
+        if src is None:
+            src = self._bytes(self._host_flat[layer], self._host_pos[layer][expert])
         handles = []
-        for k, start in enumerate(range(0, self.expert_numel, self.packet_numel)):
-            end = min(start + self.packet_numel, self.expert_numel)
-            handles.append(self.backend.copy_async(
-                slot.flat[base + start:base + end], src[base + start:base + end],
-                label=f"L{layer} E{expert} p{k}"))
+        for k, start in enumerate(range(0, self.expert_bytes, self.packet_bytes)):
+            end = min(start + self.packet_bytes, self.expert_bytes)
+            handles.append(self.backend.copy_async(dst[start:end], src[start:end],
+                                                   label=f"L{layer} E{expert} p{k}"))
         slot.handles[expert] = handles
         slot.issue_seq[expert] = self._seq
         self._seq += 1
@@ -270,19 +330,40 @@ class WeightPager:
         self.stats.experts_streamed += 1
 
     def wait(self, layer: int, expert: int) -> ExpertWeights:
-        """The expert's device weights, blocking only on its own pages (issued now if needed)."""
+        """The expert's device weights, blocking only on its own pages (issued now if needed).
+        A disk expert holds its disk-tier slot until `done`."""
         if self.is_resident(layer, expert):
             return self.device_weights.layers[layer].experts[expert]
+        disk = expert in self.on_disk[layer]
+        if disk and self.backend.device_is_host:
+            if not self.disk.holds(layer, expert):
+                self.stats.experts_on_demand += 1
+            t0 = time.perf_counter()
+            weights = self.disk.wait(layer, expert, self._order(layer, expert))
+            self.stats.wait_s += time.perf_counter() - t0
+            return weights
         slot = self._slot_of(layer)
         if slot is None or expert not in slot.handles:
             self.stats.experts_on_demand += 1
             self.prefetch(layer, [expert])
-            slot = self._slot_of(layer)
+            slot = self._claim(layer)
         t0 = time.perf_counter()
+        if disk and expert not in slot.handles:  # disk -> host slot -> device ring
+            landed = self.disk.wait_bytes(layer, expert, self._order(layer, expert))
+            self._issue(slot, layer, expert, src=landed)
+            for h in slot.handles[expert]:
+                self.backend.compute_after(h)
+            self.disk.release(layer, expert)
         for h in slot.handles[expert]:
             self.backend.compute_after(h)
         self.stats.wait_s += time.perf_counter() - t0
         return self._view(slot.flat, self._position[layer][expert])
+
+    def done(self, layer: int, expert: int) -> None:
+        """The expert's compute is finished: a disk expert's slot may take another read."""
+        if self.disk is not None and expert in self.on_disk[layer] and \
+                self.backend.device_is_host:
+            self.disk.release(layer, expert)
 
     def cancel(self, layer: int, expert: int) -> None:
         """Drop the expert's queued packets (it will run on the CPU instead)."""
@@ -303,6 +384,9 @@ class WeightPager:
             slot.released = True
             self._releases += 1
             slot.released_at = self._releases
+        self._visit_of.pop(layer, None)
+        if self.disk is not None:
+            self.disk.release_layer(layer)
 
     def cancel_all(self) -> None:
         """Drop every queued packet (end of a run) and wait for the ones in the link."""
@@ -315,3 +399,6 @@ class WeightPager:
                 h.settle()
             slot.handles, slot.issue_seq, slot.draining = {}, {}, []
             slot.layer, slot.released = None, True
+        self._visit_of.clear()
+        if self.disk is not None:
+            self.disk.cancel_all()

@@ -106,6 +106,14 @@ class OffloadPipeline:
     def attention(self):
         return self.runner.attention
 
+    @property
+    def routing_observer(self):
+        return self.runner.routing_observer
+
+    @routing_observer.setter
+    def routing_observer(self, value) -> None:
+        self.runner.routing_observer = value
+
     def close(self) -> None:
         """Stop the CPU worker and drop queued pages (the pager's copy worker stays up)."""
         self._cpu.shutdown(wait=True)
@@ -184,12 +192,18 @@ class OffloadPipeline:
         return replace(mb, **changes)
 
     def _prefetch(self, layer: int, num_tokens: int) -> None:
-        freq = self.pager.profile.frequency(layer)
+        pager = self.pager
+        freq = pager.profile.frequency(layer)
         expected = num_tokens * self.spec.top_k
-        hot = [e for e in self.pager.streamed[layer]
-               if self.placer.should_prefetch(expected * freq[e])]
-        if hot:
-            self.pager.prefetch(layer, hot)
+        hot = [e for e in pager.streamed[layer] if e not in pager.on_disk[layer]
+               and self.placer.should_prefetch(expected * freq[e])]
+        # A disk expert can only run once read, so every one the step is likely to route a
+        # token to is read ahead (hottest first): a wasted read costs link time in the shadow
+        # of compute, a missing one stalls the layer for a whole expert read.
+        disk = sorted((e for e in pager.on_disk[layer] if expected * freq[e] >= 0.5),
+                      key=pager._rank[layer].get)
+        if hot or disk:
+            pager.prefetch(layer, hot + disk)
 
     def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: Activation) -> Future:
         """Device norm + QKV of micro-batch j; its attention starts at once where it runs."""
@@ -257,6 +271,11 @@ class OffloadPipeline:
             with self._device(f"expert L{layer} E{e}"):
                 tokens, rows, rw = self._rows(h, weights, experts, e)
                 out.index_add_(0, tokens, _expert_output(w, rows, rw))
+            # Grouped by layer, each expert runs once per step: a disk expert's slot can take
+            # the next read now. Per micro-batch it is needed again, so the layer's release
+            # frees it.
+            if self.group_ffn == "layer":
+                self.pager.done(layer, e)
         for e, job in cpu_jobs:
             t0 = time.perf_counter()
             tokens, result = job.result()
@@ -271,7 +290,10 @@ class OffloadPipeline:
         resident, streamed, cpu = [], [], []
         for e in ranking:
             to_move = pager.bytes_to_move(layer, e)
-            place = self.placer.decide(counts[e], pager.is_resident(layer, e), to_move)
+            if pager.is_on_disk(layer, e):  # only where it is read to can it run
+                place = Place.device if counts[e] else Place.skip
+            else:
+                place = self.placer.decide(counts[e], pager.is_resident(layer, e), to_move)
             if place is not Place.skip:
                 self.last_decisions.append((layer, e, counts[e], to_move, place))
             if place is Place.cpu:
