@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_engine.model.weights import ExpertWeights
 from moe_engine.offload.backend import CpuBackend
 from moe_engine.offload.placement import (ExpertLatencyProfile, ExpertPlacer, LatencyCurve, Place,
                                          crossover_tokens, measure_expert_profile, place_expert)
@@ -81,7 +82,8 @@ def test_measured_profile_has_growing_cpu_latency_and_a_real_link():
     backend = CpuBackend()
     try:
         w13, w2 = torch.randn(448, 128), torch.randn(128, 224)
-        p = measure_expert_profile(backend, w13, w2, token_counts=(1, 64, 512), repeats=2)
+        p = measure_expert_profile(backend, ExpertWeights(w13, w2), token_counts=(1, 64, 512),
+                                   repeats=2)
         assert p.expert_bytes == w13.nbytes + w2.nbytes
         assert p.cpu(512) > p.cpu(1) > 0
         assert p.device(512) > 0

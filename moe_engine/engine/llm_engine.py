@@ -29,6 +29,7 @@ from moe_engine.model.kv_cache import KVCache, blocks_for_budget
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
 from moe_engine.model.spec import load_spec
+from moe_engine.offload.disk import DiskReadError
 from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
 from moe_engine.offload.routing import find_profile
 from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
@@ -256,6 +257,10 @@ class LLMEngine:
             if self.logits_observer is not None:
                 self.logits_observer(seqs, logits)
             tokens = sample(logits, sampling_batch(seqs)).tolist()
+        except DiskReadError:
+            # The machine's fault, not the rows': the job fails and its rerun resumes from the
+            # checkpointed rows, instead of every later row failing on the same file.
+            raise
         except Exception as exc:  # fail the step's sequences, keep the engine serving
             for seq in seqs:
                 self.scheduler.finish(seq)

@@ -118,7 +118,7 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     # are never placed (they run where they are read to).
     if latency is None and resident_ratio < 1.0 and not settings.disk_tier:
         proto = next(layer.experts[0] for layer in runner.weights.layers if layer.experts)
-        latency = measure_expert_profile(backend, proto.w13, proto.w2)
+        latency = measure_expert_profile(backend, proto)
     if latency is not None and not settings.cpu_experts:
         latency = _without_cpu_experts(latency)
     pager = WeightPager(runner.weights, backend, routing, resident_ratio,

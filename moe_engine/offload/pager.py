@@ -366,7 +366,11 @@ class WeightPager:
             self.disk.release(layer, expert)
 
     def cancel(self, layer: int, expert: int) -> None:
-        """Drop the expert's queued packets (it will run on the CPU instead)."""
+        """Drop the expert's queued packets (it will run on the CPU instead, or not at all this
+        step). A disk expert gives up its disk-tier slot: an unused read must not hold a slot
+        the layer's other experts are waiting for."""
+        if self.disk is not None and expert in self.on_disk[layer]:
+            self.disk.release(layer, expert)
         slot = self._slot_of(layer)
         if slot is None or expert not in slot.handles:
             return

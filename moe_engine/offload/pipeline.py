@@ -292,6 +292,8 @@ class OffloadPipeline:
             to_move = pager.bytes_to_move(layer, e)
             if pager.is_on_disk(layer, e):  # only where it is read to can it run
                 place = Place.device if counts[e] else Place.skip
+                if place is Place.skip:
+                    pager.cancel(layer, e)  # read ahead for nothing: free its slot
             else:
                 place = self.placer.decide(counts[e], pager.is_resident(layer, e), to_move)
             if place is not Place.skip:

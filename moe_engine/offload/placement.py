@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from moe_engine.model.weights import ExpertWeights
+
 
 class Place(str, Enum):
     device = "device"
@@ -118,7 +120,7 @@ def _time_call(fn: Callable[[], object], sync: Callable[[], None], repeats: int)
     return best
 
 
-def measure_expert_profile(backend, w13: torch.Tensor, w2: torch.Tensor,
+def measure_expert_profile(backend, expert: ExpertWeights,
                            token_counts: Sequence[int] = (1, 8, 32, 128, 512),
                            repeats: int = 3) -> ExpertLatencyProfile:
     """Measure one expert's SwiGLU on the host and on the backend's device at several token
@@ -130,14 +132,12 @@ def measure_expert_profile(backend, w13: torch.Tensor, w2: torch.Tensor,
     """
     from moe_engine.model.layers import moe_ffn
     from moe_engine.model.packed import is_packed
-    from moe_engine.model.weights import ExpertWeights
 
-    host = ExpertWeights(w13.contiguous(), w2.contiguous())
+    host = expert.map(lambda t: t.contiguous())  # scales too, for quantized experts
     # Packed experts (the CPU kernels) take fp32 activations whatever their storage.
     act_dtype = torch.float32 if is_packed(host) else host.w13.dtype
     same_silicon = backend.name == "cpu"
-    dev = host if same_silicon else ExpertWeights(backend.to_device(host.w13),
-                                                  backend.to_device(host.w2))
+    dev = host if same_silicon else host.map(backend.to_device)
     hidden = host.w13.shape[1]
     cpu_s, dev_s = [], []
     for n in token_counts:
@@ -166,7 +166,7 @@ def measure_expert_profile(backend, w13: torch.Tensor, w2: torch.Tensor,
     return ExpertLatencyProfile(LatencyCurve(tuple(token_counts), tuple(cpu_s)),
                                 LatencyCurve(tuple(token_counts), tuple(dev_s)),
                                 link_bytes_per_s=link,
-                                expert_bytes=host.w13.nbytes + host.w2.nbytes)
+                                expert_bytes=host.nbytes())
 
 
 class ExpertPlacer:

@@ -1,0 +1,305 @@
+"""The disk tier: experts left on disk, read with O_DIRECT into a ring of RAM slots, give the
+tokens of the fully resident run at every host ratio on every architecture; reads land the exact
+bytes whatever their alignment; the ring serves reads in consumption order without deadlock; a
+truncated, corrupt or changed file fails with an error naming it."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_engine.config import ConfigError, EngineConfig, compose
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.model.loader import load_weights
+from moe_engine.model.spec import load_spec
+from moe_engine.model.weights import ExpertWeights
+from moe_engine.offload.disk import (ALIGN, DirectReader, DiskRead, DiskReadError, Extent,
+                                     aligned_empty, read_bytes)
+from moe_engine.offload.disk_tier import DiskTier, plan_host_tier
+from moe_engine.offload.expert_store import (ExpertFile, ExpertLayout, ExpertSource,
+                                             checkpoint_source, safetensors_header)
+from moe_engine.tools.presets import PRESETS
+
+TINY_PRESETS = sorted(p for p in PRESETS if p.startswith("tiny-"))
+PROMPTS = ["Explain how a mixture of experts layer routes tokens.", "hi",
+           "Write a short story about a cat who learns to fly.", "What is 2 + 2?",
+           "a b c d e f g h i j k l m n o p q r s t u v w x y z"]
+CONFIG = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    # Expert files and routing profiles of this module stay out of the user's cache.
+    monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _tokens(model_dir, config: EngineConfig, dtype: str = "float32") -> dict[str, list[int]]:
+    with LLMEngine(model_dir, config, dtype=dtype) as engine:
+        return {r.request_id: r.token_ids for r in engine.generate(
+            [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=8))
+             for i, p in enumerate(PROMPTS)])}
+
+
+# ---------------------------------------------------------------- reads
+
+def test_reads_land_exact_bytes_at_any_alignment(tmp_path):
+    data = torch.randint(0, 256, (3 * ALIGN + 777,), dtype=torch.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    reader = DirectReader()
+    cases = [(0, 2 * ALIGN, 0), (ALIGN, ALIGN, 0), (5, 100, 3), (ALIGN - 1, ALIGN + 2, 0),
+             (3 * ALIGN, 777, 64), (0, data.numel(), 0)]
+    for offset, n, at in cases:
+        dst = aligned_empty(at + n)
+        reader.read_into(dst, DiskRead((Extent(str(path), offset, n, at),)))
+        assert torch.equal(dst[at:], data[offset:offset + n]), (offset, n, at)
+    # Packets split an extent at multiples of ALIGN and land the same bytes.
+    read = DiskRead((Extent(str(path), 3, data.numel() - 3, 0),))
+    parts = read.split(ALIGN)
+    assert len(parts) == 4 and sum(p.nbytes for p in parts) == read.nbytes
+    dst = aligned_empty(read.nbytes)
+    for p in parts:
+        reader.read_into(dst, p)
+    assert torch.equal(dst, data[3:])
+    assert reader.mode in ("o_direct", "buffered+dontneed")
+    reader.close()
+
+
+def test_buffered_fallback_reads_the_same_bytes(tmp_path):
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    reader = DirectReader(direct=False)
+    out = read_bytes([Extent(str(path), 17, 9000)], reader)
+    assert torch.equal(out, data[17:9017]) and reader.mode == "buffered+dontneed"
+
+
+def test_a_truncated_file_fails_naming_it(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(b"x" * 5000)
+    reader = DirectReader()
+    reader.read_into(aligned_empty(100), DiskRead((Extent(str(path), 0, 100),)))
+    with open(path, "r+b") as f:  # truncated in place under the open reader
+        f.truncate(1000)
+    with pytest.raises(DiskReadError, match="blob"):
+        reader.read_into(aligned_empty(4096), DiskRead((Extent(str(path), 0, 4096),)))
+
+
+def test_a_file_changed_under_the_reader_fails_naming_it(tmp_path):
+    path = tmp_path / "blob"
+    path.write_bytes(b"a" * 8192)
+    reader = DirectReader()
+    reader.read_into(aligned_empty(4096), DiskRead((Extent(str(path), 0, 4096),)))
+    os.utime(path, ns=(1, 1))  # same size, new mtime: rewritten
+    with pytest.raises(DiskReadError, match=r"blob changed while the job was reading it"):
+        reader.read_into(aligned_empty(4096), DiskRead((Extent(str(path), 0, 4096),)))
+
+
+def test_corrupt_or_truncated_safetensors_headers_fail_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 10) + b"{not json}")
+    with pytest.raises(ValueError, match="bad.safetensors: corrupt safetensors header"):
+        safetensors_header(bad)
+    short = tmp_path / "short.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [100], "data_offsets": [0, 400]}}).encode()
+    short.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 40)
+    with pytest.raises(ValueError, match="short.safetensors: tensor w ends at byte"):
+        safetensors_header(short)
+
+
+# ---------------------------------------------------------------- sources and the ring
+
+@pytest.fixture(scope="module")
+def mixtral_dir(builtin_dir):
+    return builtin_dir("tiny-mixtral")
+
+
+def test_checkpoint_source_reads_each_expert_as_loaded(mixtral_dir):
+    spec = load_spec(mixtral_dir)
+    weights = load_weights(mixtral_dir, spec, torch.float32)
+    source = checkpoint_source(mixtral_dir, spec, torch.float32)
+    assert source is not None and source.kind == "checkpoint"
+    assert checkpoint_source(mixtral_dir, spec, torch.bfloat16) is None  # needs conversion
+    reader = DirectReader()
+    for layer in range(spec.num_layers):
+        for e in range(spec.num_experts):
+            got = source.load(layer, e, reader)
+            want = weights.layers[layer].experts[e]
+            assert torch.equal(got.w13, want.w13) and torch.equal(got.w2, want.w2)
+
+
+def test_expert_file_is_built_once_and_rebuilt_when_the_checkpoint_changes(builtin_dir,
+                                                                            tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(builtin_dir("tiny-mixtral"), model)
+    spec = load_spec(model)
+    calls = []
+
+    def convert(x: ExpertWeights) -> ExpertWeights:
+        calls.append(1)
+        return ExpertWeights(x.w13 * 2, x.w2)
+
+    cache = tmp_path / "cache"
+    a = ExpertFile.open_or_build(model, spec, torch.float32, "double", convert, cache_dir=cache)
+    n = len(calls)
+    assert n == spec.num_layers * spec.num_experts and a.kind == "expert-file"
+    b = ExpertFile.open_or_build(model, spec, torch.float32, "double", convert, cache_dir=cache)
+    assert len(calls) == n  # reused
+    weights = load_weights(model, spec, torch.float32)
+    got = b.load(1, 3, DirectReader())
+    assert torch.equal(got.w13, weights.layers[1].experts[3].w13 * 2)
+    for f in model.glob("*.safetensors"):
+        os.utime(f, ns=(1, 1))
+    ExpertFile.open_or_build(model, spec, torch.float32, "double", convert, cache_dir=cache)
+    assert len(calls) == 2 * n  # a changed checkpoint never reuses a stale file
+
+
+def _toy_source(tmp_path, num_layers=3, num_experts=4):
+    """A hand-made expert file: expert (l, e) is a w13 filled with 100*l + e."""
+    layout = ExpertLayout.of(ExpertWeights(torch.zeros(8, 1024), torch.zeros(1024, 4)))
+    path = tmp_path / "experts.bin"
+    reads = {}
+    with open(path, "wb") as f:
+        for n, key in enumerate((i, e) for i in range(num_layers) for e in range(num_experts)):
+            buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            layout.write(ExpertWeights(torch.full((8, 1024), 100.0 * key[0] + key[1]),
+                                       torch.zeros(1024, 4)), buf)
+            f.write(buf.numpy().tobytes())
+            reads[key] = DiskRead((Extent(str(path), n * layout.nbytes, layout.nbytes),))
+    from moe_engine.offload.disk import file_identity
+    return ExpertSource(layout, reads, {str(path): file_identity(path)}, "expert-file")
+
+
+def test_ring_serves_earlier_needs_first_and_cannot_deadlock(tmp_path):
+    source = _toy_source(tmp_path)
+    tier = DiskTier(source, num_slots=2, packet_bytes=8192)
+    # The next layer's reads take both slots...
+    tier.request(1, 0, (1, 0))
+    tier.request(1, 1, (1, 1))
+    assert tier.holds(1, 0) and tier.holds(1, 1)
+    # ...then the current layer needs an expert it did not prefetch: it takes the latest slot.
+    w = tier.wait(0, 2, (0, 2))
+    assert float(w.w13[0, 0]) == 2.0 and not tier.holds(1, 1) and tier.requested(1, 1)
+    assert tier.stats.evictions == 1
+    tier.release(0, 2)  # the evicted read gets the slot back
+    assert tier.holds(1, 1)
+    for e in (0, 1):
+        assert float(tier.wait(1, e, (1, e)).w13[3, 5]) == 100.0 + e
+        tier.release(1, e)
+    # Every slot in use: a further wait fails loudly instead of hanging.
+    tier.wait(2, 0, (2, 0))
+    tier.wait(2, 1, (2, 1))
+    with pytest.raises(RuntimeError, match="no ring slot"):
+        tier.wait(2, 2, (2, 2))
+    tier.release_layer(2)
+    assert not tier.holds(2, 0) and tier.num_slots == 2
+    tier.close()
+
+
+def test_a_read_error_reaches_the_waiter_and_frees_the_slot(tmp_path):
+    source = _toy_source(tmp_path)
+    tier = DiskTier(source, num_slots=1)
+    with open(tmp_path / "experts.bin", "r+b") as f:
+        f.truncate(source.layout.nbytes)  # only expert (0, 0) is left
+    with pytest.raises(DiskReadError, match="experts.bin"):
+        tier.wait(2, 3, (0, 0))
+    assert not tier.holds(2, 3)
+    tier.close()
+
+
+def test_host_tier_plan_fits_the_budget():
+    mb = 10**6
+    # No budget: the ratio decides, the ring holds two layers of disk experts.
+    p = plan_host_tier(100 * mb, 10 * mb, 4, 8, host_ratio=0.5)
+    assert (p.host_experts, p.ring_slots, p.ratio) == (4, 8, 0.5)
+    # Budget only: small-mixtral's shape (152 MB dense, 22 MB experts, 300 MB) streams all.
+    p = plan_host_tier(152 * mb, 22 * mb, 4, 8, budget_bytes=300 * mb)
+    assert (p.host_experts, p.ring_slots) == (0, 6)
+    p = plan_host_tier(152 * mb, 22 * mb, 4, 8, budget_bytes=600 * mb)
+    assert (p.host_experts, p.ring_slots) == (4, 4)  # 152 + 4 x 4 x 22 + 4 x 22 = 592
+    assert plan_host_tier(152 * mb, 22 * mb, 4, 8, budget_bytes=10**12).ring_slots == 0
+    with pytest.raises(ValueError, match="engine.host_memory_gb=0.16"):
+        plan_host_tier(152 * mb, 22 * mb, 4, 8, budget_bytes=160 * mb)
+    with pytest.raises(ValueError, match="engine.host_memory_gb=0.3"):
+        plan_host_tier(152 * mb, 22 * mb, 4, 8, host_ratio=0.5, budget_bytes=300 * mb)
+
+
+def test_config_checks_name_the_key():
+    with pytest.raises(ConfigError, match="engine.host_resident_ratio=1.5"):
+        compose(["engine.host_resident_ratio=1.5"])
+    with pytest.raises(ConfigError, match="engine.host_memory_gb=0"):
+        compose(["engine.host_memory_gb=0"])
+    with pytest.raises(ConfigError, match="engine.disk_read_mb=0"):
+        compose(["engine.disk_read_mb=0"])
+
+
+# ---------------------------------------------------------------- the engine
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tokens_identical_at_every_host_ratio(builtin_dir, preset):
+    model_dir = builtin_dir(preset)
+    reference = _tokens(model_dir, CONFIG)
+    for ratio in (1.0, 0.5, 0.1, 0.0):
+        # Packets far smaller than an expert: every expert is several reads.
+        config = replace(CONFIG, host_resident_ratio=ratio, disk_read_mb=0.01)
+        assert _tokens(model_dir, config) == reference, ratio
+
+
+def test_torch_gemm_reads_the_checkpoint_in_place_and_bf16_packs_once(mixtral_dir):
+    reference = _tokens(mixtral_dir, replace(CONFIG, gemm="torch"))
+    with LLMEngine(mixtral_dir, replace(CONFIG, gemm="torch", host_resident_ratio=0.0),
+                   dtype="float32") as engine:
+        assert engine.offload.pager.disk.source.kind == "checkpoint"
+    assert _tokens(mixtral_dir, replace(CONFIG, gemm="torch", host_resident_ratio=0.0)) == reference
+    bf16 = _tokens(mixtral_dir, CONFIG, dtype="bfloat16")
+    assert _tokens(mixtral_dir, replace(CONFIG, host_resident_ratio=0.25),
+                   dtype="bfloat16") == bf16
+
+
+def test_a_one_slot_ring_and_per_micro_batch_grouping_give_identical_tokens(mixtral_dir):
+    reference = _tokens(mixtral_dir, CONFIG)
+    spec = load_spec(mixtral_dir)
+    with LLMEngine(mixtral_dir, replace(CONFIG, host_resident_ratio=0.0), dtype="float32") as e:
+        dense = e.offload.pager.device_weights.nbytes()
+        expert = e.offload.pager.expert_bytes
+    # A budget with room for the dense weights and exactly one expert slot.
+    tight = replace(CONFIG, host_resident_ratio=0.0, host_memory_gb=(dense + expert) / 1e9)
+    with LLMEngine(mixtral_dir, tight, dtype="float32") as engine:
+        assert engine.offload.pager.disk.num_slots == 1
+        out = {r.request_id: r.token_ids for r in engine.generate(
+            [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=8))
+             for i, p in enumerate(PROMPTS)])}
+        assert engine.offload.pager.disk.stats.reads >= spec.num_layers
+    assert out == reference
+    grouped = replace(CONFIG, host_resident_ratio=0.0, group_ffn="micro_batch")
+    assert _tokens(mixtral_dir, grouped) == reference
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_quantized_experts_page_from_disk_like_resident_ones(mixtral_dir, storage):
+    resident = _tokens(mixtral_dir, replace(CONFIG, expert_dtype=storage))
+    assert _tokens(mixtral_dir, replace(CONFIG, expert_dtype=storage,
+                                        host_resident_ratio=0.25)) == resident
+    assert _tokens(mixtral_dir, replace(CONFIG, expert_dtype=storage,
+                                        resident_ratio=0.5, cpu_experts=False)) == resident
+
+
+def test_a_checkpoint_changed_under_a_running_job_fails_naming_the_file(builtin_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(builtin_dir("tiny-mixtral"), model)
+    config = replace(CONFIG, gemm="torch", host_resident_ratio=0.0)
+    with LLMEngine(model, config, dtype="float32") as engine:
+        (shard,) = model.glob("*.safetensors")
+        os.utime(shard, ns=(1, 1))
+        with pytest.raises(DiskReadError, match=shard.name):
+            list(engine.generate([Request("r0", prompt="hello",
+                                          sampling=SamplingParams(max_new_tokens=4))]))
