@@ -16,6 +16,7 @@ import torch
 from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.engine.block_manager import BlockAllocator
 from moe_engine.engine.calibrate import find_or_record_routing
+from moe_engine.engine.memory import rss_bytes
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.engine.request import Request, RequestResult, stable_seed
 from moe_engine.engine.sampling import sample
@@ -64,6 +65,7 @@ class LLMEngine:
         disk_tier = settings is not None and settings.disk_tier
         # With the disk tier the experts are not loaded here: the host tier is read from disk
         # when the pager is built, the rest on demand.
+        rss_before = rss_bytes()
         weights = load_weights(model_dir, self.spec, self.dtype, experts=not disk_tier)
         self.expert_storage: Optional[str] = None
         if self.gemm == "packed":
@@ -72,6 +74,11 @@ class LLMEngine:
             self.expert_storage = storage if experts is ExpertDType.auto else experts.value
             weights = packed.pack_model(weights, storage, self.expert_storage)
         self.weights_bytes = weights.nbytes()
+        # What loading cost in RSS (packing leaves allocator slack the tensors do not show):
+        # the disk tier sizes its ring against this, not against the tensors' bytes.
+        rss_after = rss_bytes()
+        loaded_rss = (rss_after - rss_before) if None not in (rss_before, rss_after) else 0
+        self.loaded_bytes = max(self.weights_bytes, loaded_rss)
         num_blocks = blocks_for_budget(self.spec, kv_dtype, config.kv_cache_gb, config.block_size)
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype)
         runner = ModelRunner(self.spec, weights, cache,
@@ -88,7 +95,7 @@ class LLMEngine:
             routing = find_profile(model_dir)
             source = expert_source(model_dir, self.spec, self.dtype, self.expert_storage)
             self.offload = build_offload_pipeline(self.runner, settings, routing=routing,
-                                                  experts=source)
+                                                  experts=source, loaded_bytes=self.loaded_bytes)
             self.runner = self.offload
             if routing is None:
                 find_or_record_routing(self, model_dir, 0.0)
@@ -131,6 +138,8 @@ class LLMEngine:
         if self.offload is not None:
             self.offload.close()
             self.offload.backend.close()
+            if self.offload.pager.disk is not None:
+                self.offload.pager.disk.close()
             self.offload = None
 
     def __enter__(self) -> "LLMEngine":

@@ -42,6 +42,8 @@ class OffloadSettings:
     host_memory_bytes: Optional[int] = None
     disk_packet_bytes: int = 16 << 20
     disk_direct_io: bool = True
+    step_tokens: int = 2048  # most tokens one step runs (sizes the activations in the budget)
+    step_seqs: int = 256
 
     @property
     def disk_tier(self) -> bool:
@@ -71,7 +73,9 @@ def offload_settings(config) -> Optional[OffloadSettings]:
         host_resident_ratio=config.host_resident_ratio,
         host_memory_bytes=None if host is None else int(host * 1e9),
         disk_packet_bytes=max(1, int(config.disk_read_mb * (1 << 20))),
-        disk_direct_io=config.disk_direct_io)
+        disk_direct_io=config.disk_direct_io,
+        step_tokens=max(config.max_prefill_tokens, config.max_num_seqs),
+        step_seqs=config.max_num_seqs)
 
 
 # A streamed expert "costs" this much on the CPU when cpu_experts is off: never cheaper.
@@ -82,13 +86,16 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                            routing: Optional[RoutingProfile] = None,
                            latency: Optional[ExpertLatencyProfile] = None,
                            trace: Optional[Trace] = None,
-                           experts: Optional[ExpertSource] = None) -> OffloadPipeline:
+                           experts: Optional[ExpertSource] = None,
+                           loaded_bytes: Optional[int] = None) -> OffloadPipeline:
     """Wrap `runner` (its weights moved behind a pager) into an OffloadPipeline.
 
     Residency follows `routing`; without one it follows expert index (with a warning when
     experts are streamed). The expert latency profile is measured on this backend unless given
     (or not needed: r_w 1). With the disk tier, `experts` is where the experts are on disk
-    (the runner was loaded without them); the host tier is read from it here.
+    (the runner was loaded without them); the host tier is read from it here, and the ring
+    takes what the host budget leaves after `loaded_bytes` (what loading the rest cost in RSS;
+    default: the tensors' bytes).
     """
     spec = runner.spec
     backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
@@ -97,9 +104,11 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     if settings.disk_tier:
         if experts is None:
             raise ValueError("the disk tier needs the experts' source on disk")
-        plan = plan_host_tier(runner.weights.nbytes(), experts.layout.nbytes,
+        dense = max(runner.weights.nbytes(), loaded_bytes or 0)
+        plan = plan_host_tier(dense, experts.layout.nbytes,
                               spec.num_moe_layers, spec.num_experts,
-                              settings.host_resident_ratio, settings.host_memory_bytes)
+                              settings.host_resident_ratio, settings.host_memory_bytes,
+                              reserved_bytes=_step_state_bytes(runner, settings))
         # On the CPU backend device memory is host memory: the host tier is the resident set.
         if backend.device_is_host:
             resident_ratio = plan.ratio
@@ -156,6 +165,18 @@ def expert_source(model_dir, spec, dtype, expert_storage: Optional[str],
     fmt = f"packed{packed.NR}-{expert_storage}-from-{str(dtype).replace('torch.', '')}"
     assert isinstance(dtype, torch.dtype)
     return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack, progress=progress)
+
+
+def _step_state_bytes(runner: ModelRunner, settings: OffloadSettings) -> int:
+    """Host bytes besides weights and KV that the budget must leave room for: the RoPE tables
+    and the peak activations of the largest step (perf model's estimate, at the width the
+    runner computes in)."""
+    from moe_engine.perf.cost import activation_bytes
+
+    width = runner.dtype.itemsize  # the activations' dtype (fp32 on the packed kernels)
+    act = activation_bytes(runner.spec.with_dtype_bytes(width), settings.step_tokens,
+                           settings.step_seqs)
+    return runner.state_nbytes(kv_cache=False) + int(act)
 
 
 def _disk_tier(runner: ModelRunner, experts: ExpertSource, routing: RoutingProfile,

@@ -232,10 +232,11 @@ class HostTierPlan:
 
 
 def plan_host_tier(dense_bytes: int, expert_bytes: int, num_moe_layers: int, num_experts: int,
-                   host_ratio: Optional[float] = None, budget_bytes: Optional[int] = None
-                   ) -> HostTierPlan:
+                   host_ratio: Optional[float] = None, budget_bytes: Optional[int] = None,
+                   reserved_bytes: int = 0) -> HostTierPlan:
     """Experts per layer held in host memory and the ring's slots, within `budget_bytes` (the
-    host weight budget: dense weights + host experts + ring).
+    host budget: dense weights + host experts + ring + `reserved_bytes`, the rest of what the
+    engine keeps besides its KV cache: RoPE tables, a step's activations).
 
     With `host_ratio` the host tier is round(host_ratio * E) experts and the ring takes what
     the budget leaves, at most two layers' worth of disk experts (no budget: exactly that);
@@ -249,7 +250,7 @@ def plan_host_tier(dense_bytes: int, expert_bytes: int, num_moe_layers: int, num
             return 0
         if budget_bytes is None:
             return 2 * on_disk
-        left = budget_bytes - dense_bytes - k * num_moe_layers * expert_bytes
+        left = budget_bytes - dense_bytes - reserved_bytes - k * num_moe_layers * expert_bytes
         return max(0, min(2 * on_disk, left // expert_bytes))
 
     if host_ratio is not None:
@@ -258,22 +259,23 @@ def plan_host_tier(dense_bytes: int, expert_bytes: int, num_moe_layers: int, num
         if k < num_experts and ring < 1:
             raise ValueError(
                 f"engine.host_memory_gb={budget_bytes / 1e9:g}: the dense weights "
-                f"({dense_bytes / 1e6:.0f} MB) and {k} host experts per layer "
+                f"({dense_bytes / 1e6:.0f} MB), a step's activations ({reserved_bytes / 1e6:.0f} "
+                f"MB) and {k} host experts per layer "
                 f"({k * num_moe_layers * expert_bytes / 1e6:.0f} MB) leave no room for one "
                 f"{expert_bytes / 1e6:.1f} MB disk read slot; lower engine.host_resident_ratio "
                 f"or raise the budget")
         if budget_bytes is not None and k == num_experts and \
-                dense_bytes + k * num_moe_layers * expert_bytes > budget_bytes:
+                dense_bytes + reserved_bytes + k * num_moe_layers * expert_bytes > budget_bytes:
             raise ValueError(f"engine.host_memory_gb={budget_bytes / 1e9:g} cannot hold every "
                              f"expert (engine.host_resident_ratio={host_ratio}): "
-                             f"{(dense_bytes + k * num_moe_layers * expert_bytes) / 1e6:.0f} MB")
+                             f"{(dense_bytes + reserved_bytes + k * num_moe_layers * expert_bytes) / 1e6:.0f} MB")
         return HostTierPlan(k, num_experts, ring)
     if budget_bytes is None:
         raise ValueError("the disk tier needs engine.host_resident_ratio or engine.host_memory_gb")
     for k in range(num_experts, -1, -1):
         ring = ring_for(k)
         if k == num_experts:
-            if dense_bytes + k * num_moe_layers * expert_bytes <= budget_bytes:
+            if dense_bytes + reserved_bytes + k * num_moe_layers * expert_bytes <= budget_bytes:
                 return HostTierPlan(k, num_experts, 0)
             continue
         if ring >= min(MIN_RING_SLOTS, num_experts - k):
@@ -282,6 +284,6 @@ def plan_host_tier(dense_bytes: int, expert_bytes: int, num_moe_layers: int, num
     if ring < 1:
         raise ValueError(
             f"engine.host_memory_gb={budget_bytes / 1e9:g}: the dense weights alone take "
-            f"{dense_bytes / 1e6:.0f} MB, leaving no room for one {expert_bytes / 1e6:.1f} MB "
+            f"{dense_bytes / 1e6:.0f} MB and a step's activations {reserved_bytes / 1e6:.0f} MB, leaving no room for one {expert_bytes / 1e6:.1f} MB "
             f"disk read slot")
     return HostTierPlan(0, num_experts, ring)

@@ -321,6 +321,8 @@ class ExpertFile:
                         layout.write(expert, buf)
                         os.pwrite(fd, buf.numpy(), n * layout.nbytes)
                         offsets.append([key[0], key[1], n * layout.nbytes])
+                        del expert, buf
+                        _return_free_memory()
                     os.fsync(fd)
                     # The written pages would otherwise sit in the page cache, outside the
                     # budget, until memory pressure evicts them.
@@ -333,6 +335,18 @@ class ExpertFile:
                 "layout": layout.to_json(), "offsets": offsets,
                 "identity": file_identity(self.data).__dict__}
         write_text_atomic(self.index, json.dumps(meta))
+
+
+def _return_free_memory() -> None:
+    """Give the allocator's free pages back to the kernel: a conversion's temporaries (several
+    expert-sized tensors per expert) would otherwise stay in the process's RSS, outside the host
+    budget the rest of the job keeps."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _progress(items: list, enabled: bool, desc: str) -> Iterator:

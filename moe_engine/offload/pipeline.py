@@ -54,6 +54,8 @@ class OffloadStats:
     experts_on_cpu: int = 0  # (layer, expert) computations placed on the CPU
     experts_on_device: int = 0
     experts_streamed: int = 0  # experts whose pages were issued (prefetched or on demand)
+    disk_bytes_read: int = 0  # disk tier: expert bytes read from disk
+    disk_busy_time_s: float = 0.0  # disk tier: time the reader spent in reads
 
     def add(self, other: "OffloadStats") -> None:
         for k, v in asdict(other).items():
@@ -140,6 +142,8 @@ class OffloadPipeline:
         self.last_decisions = []
         streamed_before = self.pager.stats.experts_streamed
         link_before = self.backend.link_bytes_moved
+        disk = self.pager.disk
+        disk_before = (disk.bytes_read, disk.busy_s) if disk is not None else (0, 0.0)
         num_layers = self.spec.num_layers
         num_tokens = sum(int(mb.input_ids.numel()) for mb in batches)
         if not self._first_prefetch_done:
@@ -174,7 +178,7 @@ class OffloadPipeline:
                 pending = [self._pre_attention(i + 1, j, mb, act) for j, (mb, act) in
                            enumerate(zip(batches, acts))]
         logits = self._head(batches, acts)
-        self._finish_step(streamed_before, link_before)
+        self._finish_step(streamed_before, link_before, disk_before)
         return logits
 
     def _on_device(self, mb: MicroBatchInput) -> MicroBatchInput:
@@ -336,10 +340,17 @@ class OffloadPipeline:
     def _device(self, label: str) -> "_DeviceSpan":
         return _DeviceSpan(self, label)
 
-    def _finish_step(self, streamed_before: int, link_before: int) -> None:
+    def _finish_step(self, streamed_before: int, link_before: int,
+                     disk_before: tuple[int, float]) -> None:
         s = self._step
         s.experts_streamed = self.pager.stats.experts_streamed - streamed_before
         s.bytes_moved = self.backend.link_bytes_moved - link_before
+        disk = self.pager.disk
+        if disk is not None:
+            # Reads of the next step's first layer that finished already count here; summed
+            # over a run the split does not matter.
+            s.disk_bytes_read = disk.bytes_read - disk_before[0]
+            s.disk_busy_time_s = disk.busy_s - disk_before[1]
         self.last_step = s
         self.totals.add(s)
 
