@@ -103,6 +103,7 @@ class HardwareConfig:
     device_tflops: float = 0.27
     cpu_tflops: float = 0.27
     cpu_cores: int = 2
+    disk_read_gbps: float = 2.0  # the disk tier's reads (O_DIRECT) from the experts' disk
     profile: Optional[str] = None
 
 
@@ -391,7 +392,7 @@ def validate(cfg: AppConfig) -> None:
                f"unknown preset; choose one of {sorted(PRESETS)}")
     _check(m.num_shards >= 1, "model.num_shards", m.num_shards, "must be >= 1")
     for key in ("device_memory_gb", "host_memory_gb", "link_gbps", "device_bw_gbps",
-                "cpu_bw_gbps", "device_tflops", "cpu_tflops"):
+                "cpu_bw_gbps", "device_tflops", "cpu_tflops", "disk_read_gbps"):
         value = getattr(hw, key)
         _check(value > 0, f"hardware.{key}", value, "must be > 0")
     _check(hw.cpu_cores >= 1, "hardware.cpu_cores", hw.cpu_cores, "must be >= 1")

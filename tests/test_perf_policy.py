@@ -124,11 +124,40 @@ def test_faster_link_never_lowers_predicted_throughput(hw_name):
         prev = tp
 
 
-def test_model_that_cannot_fit_raises():
+def test_model_larger_than_host_memory_gets_a_disk_tier_and_one_that_cannot_fit_raises():
     from moe_engine.perf import NoFeasiblePolicy
 
+    big = reference_model("mixtral-8x22b")  # 281 GB of bf16 weights, an L4 box has 192 GB
+    r = choose_policy(big, load_preset("l4"), MTBENCH, backend="cuda")
+    p = r.policy
+    assert 0.0 <= p.host_resident_ratio < 1.0 and p.resident_ratio <= p.host_resident_ratio
+    assert r.prediction.memory.fits and r.prediction.step.t_disk > 0
+    assert r.to_json()["policy"]["host_resident_ratio"] == p.host_resident_ratio
+    assert apply_policy(EngineConfig(), r).host_resident_ratio == p.host_resident_ratio
+    # Not even the dense weights and the read ring fit: nothing to search.
     with pytest.raises(NoFeasiblePolicy, match="mixtral-8x22b"):
-        choose_policy(reference_model("mixtral-8x22b"), load_preset("l4"), MTBENCH, backend="cuda")
+        choose_policy(big, load_preset("l4").with_host_memory(8e9), MTBENCH, backend="cuda")
+
+
+@pytest.mark.parametrize("backend,hw_name", [("cpu", "cpu"), ("cuda", "l4")])
+def test_disk_tier_more_host_memory_or_a_faster_disk_never_predicts_less(backend, hw_name):
+    m = MIXTRAL  # 93 GB of bf16 weights
+    hw = load_preset(hw_name)
+    prev, ratios = 0.0, []
+    for gb in (48, 64, 96, 128, 192):
+        r = choose_policy(m, hw.with_host_memory(gb * 1e9), MTBENCH, backend=backend)
+        assert r.throughput_tok_s >= prev * (1 - 1e-9)
+        prev = r.throughput_tok_s
+        ratios.append(r.policy.host_resident_ratio)
+    # r_host itself need not grow: more memory may buy a larger batch (KV) instead.
+    assert ratios[0] < 1.0
+    small = hw.with_host_memory(64e9)
+    prev = 0.0
+    for gbps in (0.5, 1.0, 2.0, 4.0):
+        tp = choose_policy(m, dataclasses.replace(small, disk_bw=gbps * 1e9), MTBENCH,
+                           backend=backend).throughput_tok_s
+        assert tp >= prev * (1 - 1e-9)
+        prev = tp
 
 
 def test_cpu_backend_policy_is_bounded_by_requests_and_keeps_weights_resident():

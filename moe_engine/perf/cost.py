@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .roofline import (ATTN_OPS, HEAD_OPS, PREFILL_OPS_PER_SEQ, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
-                       device_processor, expert_ffn_time, o_proj_router_time, pre_attention_time,
-                       prefill_attention_flops)
+                       device_processor, expected_active_experts, expert_ffn_time,
+                       o_proj_router_time, pre_attention_time, prefill_attention_flops)
 from .specs import HardwareSpec, ModelSpec, WorkloadSpec, blocks_for
 
 # Slack factors (docs/perf_model.md explains them).
@@ -44,6 +44,9 @@ class Policy:
     # only by the search, to 0 with r_c at its largest, for a bound no r_c can beat (the link
     # carries the least KV while the device reads the least).
     kv_read_ratio: float | None = field(default=None, repr=False)
+    # r_host: the hottest fraction of each layer's experts held in host memory; the rest stays
+    # on disk and is read each step it is routed to (the disk tier, docs/offload.md).
+    host_resident_ratio: float = 1.0
 
     @property
     def num_micro_batches(self) -> int:
@@ -60,10 +63,12 @@ class StepTimes:
     t_head: float
     total: float
     t_host: float = 0.0  # the engine loop's own work (scheduling, inputs, sampling)
+    t_disk: float = 0.0  # disk tier reads
 
     @property
     def bottleneck(self) -> str:
-        named = {"link": self.t_io, "cpu": self.t_cpu, "device": self.t_gpu, "host loop": self.t_host}
+        named = {"link": self.t_io, "cpu": self.t_cpu, "device": self.t_gpu,
+                 "host loop": self.t_host, "disk": self.t_disk}
         return max(named, key=named.get)
 
 
@@ -173,13 +178,32 @@ def policy_kv_bytes(m: ModelSpec, wl: WorkloadSpec, policy: Policy) -> float:
                longest_seq_kv_bytes(m, wl, policy.block_size))
 
 
+def disk_expert_bytes(m: ModelSpec, policy: Policy) -> tuple[float, float]:
+    """(bytes left on disk, bytes of the read ring) under r_host: the ring holds two layers of
+    disk experts, so a layer's reads land while the previous one computes."""
+    per_layer = (1.0 - policy.host_resident_ratio) * m.experts_params_per_layer * m.dtype_bytes
+    return m.num_moe_layers * per_layer, (2.0 * per_layer if m.num_moe_layers else 0.0)
+
+
+def disk_layer_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: float) -> float:
+    """Seconds to read one MoE layer's disk experts that `n_tokens` tokens route to (each
+    expert read once per step whatever its token count: the batch amortizes the read)."""
+    r_disk = 1.0 - policy.host_resident_ratio
+    if r_disk <= 0.0 or not m.num_experts:
+        return 0.0
+    touched = expected_active_experts(n_tokens, m.num_experts, m.top_k) / m.num_experts
+    return r_disk * touched * m.experts_params_per_layer * m.dtype_bytes / hw.disk_bw
+
+
 def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> MemoryUse:
     """Device and host bytes a policy needs (the constraints of the search)."""
     kv = policy_kv_bytes(m, wl, policy)
     act = peak_activation_bytes(m, wl, policy)
+    on_disk, ring = disk_expert_bytes(m, policy)
     if cpu_backend:
-        # One pool: every weight, the whole KV cache and the activations live in host memory.
-        used = m.total_bytes + kv + act
+        # One pool: every weight not on disk, the disk tier's ring, the whole KV cache and the
+        # activations live in host memory.
+        used = m.total_bytes - on_disk + ring + kv + act
         budget = host_budget(hw)
         return MemoryUse(used, used, budget, budget, kv)
     w_total, w_layer = device_weight_bytes(m, policy.ffn_on_device)
@@ -191,7 +215,7 @@ def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy,
     if not policy.ffn_on_device:
         host_weights += m.num_moe_layers * m.experts_params_per_layer * m.dtype_bytes
     pinned = 2.0 * streamed_layer  # staging pages for the next layer
-    host = host_weights + (kv - kv_dev) + pinned + m.embedding_bytes / 2
+    host = host_weights - on_disk + ring + (kv - kv_dev) + pinned + m.embedding_bytes / 2
     return MemoryUse(device, host, device_budget(hw, False), host_budget(hw), kv)
 
 
@@ -257,18 +281,22 @@ def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: 
     """One decode step over all layers: per layer max(T_io, T_cpu, T_gpu) on a GPU machine
     (the three overlap), T_cpu + T_gpu on the CPU backend (the same cores do both)."""
     totals = [0.0, 0.0, 0.0]
-    step = 0.0
+    step = t_disk = 0.0
     for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
         if count == 0:
             continue
         io, c, g = layer_decode_times(m, hw, policy, n_tokens, ctx, cpu_backend, moe)
+        d = disk_layer_time(m, hw, policy, n_tokens) if moe else 0.0
         totals = [totals[0] + count * io, totals[1] + count * c, totals[2] + count * g]
-        step += count * ((c + g) if cpu_backend else max(io, c, g))
+        t_disk += count * d
+        # The next layer's disk reads run while this one computes (CGOPipe with the disk as
+        # one more link): a layer takes the longer of the two.
+        step += count * (max(c + g, d) if cpu_backend else max(io, c, g, d))
     head = head_time(m, hw, n_tokens, cpu_backend)
     # The engine loop runs between steps on the host, overlapping nothing (the next step's
     # inputs depend on this step's tokens).
     host = hw.host_step_s + n_tokens * hw.host_seq_s
-    return StepTimes(totals[0], totals[1], totals[2], head, step + head + host, host)
+    return StepTimes(totals[0], totals[1], totals[2], head, step + head + host, host, t_disk)
 
 
 def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,
@@ -292,6 +320,8 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
         per_pass += attn_flops / dev.flops
         per_pass += (ATTN_OPS + PREFILL_OPS_PER_SEQ * chunk / max(1.0, wl.mean_prompt)) * dev.op_overhead_s
         layer_compute = passes * per_pass
+        if moe:  # each pass reads the layer's disk experts again, in the shadow of compute
+            layer_compute = max(layer_compute, passes * disk_layer_time(m, hw, policy, chunk))
         if not cpu_backend:
             w_layer = m.moe_layer_bytes if moe else m.dense_layer_bytes
             io_in = passes * (1.0 - policy.resident_ratio) * w_layer / hw.link_bw

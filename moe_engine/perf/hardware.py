@@ -25,8 +25,13 @@ CYTHON_KERNEL_DIR = Path(__file__).resolve().parents[1] / "_kernels"
 CYTHON_KERNEL_NAME = "paged_attention"
 PACKED_KERNEL_NAME = "packed_gemm"
 # Engine-loop figures a profile must carry (profiles from before they existed lack them).
-HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us")
+# Figures every profile must have besides GEMM rates: the engine loop's and the disk tier's.
+HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "disk_read_gbps")
 
+
+# An NVMe SSD's sequential O_DIRECT reads at queue depth 1 with 16 MiB requests (1.1-2.9 GB/s
+# measured on the CI machines); profiles measure the machine's own (disk_read_gbps).
+DEFAULT_DISK_READ_GBPS = 2.0
 
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
@@ -45,6 +50,7 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         host_step_s=float(fig.get("host_step_us", 0.0)) * 1e-6,
         host_seq_s=float(fig.get("host_seq_us", 0.0)) * 1e-6,
         host_token_s=float(fig.get("host_token_us", 0.0)) * 1e-6,
+        disk_bw=float(fig.get("disk_read_gbps") or DEFAULT_DISK_READ_GBPS) * GB,
         notes=str(fig.get("attention_kernel", "")),
     )
 
@@ -155,8 +161,8 @@ def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
 
 
 def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
-    """Whether a profile has every figure the models need: the engine-loop figures and the
-    GEMM rates of each model's weight shapes in its dtype."""
+    """Whether a profile has every figure the models need: the engine-loop figures, the disk
+    tier's read bandwidth and the GEMM rates of each model's weight shapes in its dtype."""
     have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
     return (all(k in data for k in HOST_KEYS)
             and all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m)))
@@ -178,7 +184,7 @@ def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None
     """
     figures = {k: getattr(hw, k) for k in ("name", "device", "device_memory_gb", "host_memory_gb", "link_gbps",
                                            "device_bw_gbps", "cpu_bw_gbps", "device_tflops", "cpu_tflops",
-                                           "cpu_cores")}
+                                           "cpu_cores", "disk_read_gbps")}
     figures["device"] = getattr(figures["device"], "value", figures["device"])
     profile = getattr(hw, "profile", None)
     if profile is None:

@@ -75,6 +75,7 @@ class PolicyResult:
                 "ffn_on_device": p.ffn_on_device, "resident_ratio": p.resident_ratio,
                 "kv_device_ratio": p.kv_device_ratio, "prefill_tokens": p.prefill_tokens,
                 "block_size": p.block_size, "kv_cache_bytes": pred.memory.kv_bytes,
+                "host_resident_ratio": p.host_resident_ratio,
             },
             "prediction": {
                 "throughput_tok_s": pred.throughput_tok_s, "prefill_s": pred.prefill_s, "decode_s": pred.decode_s,
@@ -83,7 +84,7 @@ class PolicyResult:
                 "per_layer_s": {"t_io": step.t_io / n_layers, "t_cpu": step.t_cpu / n_layers,
                                 "t_gpu": step.t_gpu / n_layers},
                 "per_step_s": {"t_io": step.t_io, "t_cpu": step.t_cpu, "t_gpu": step.t_gpu, "t_head": step.t_head,
-                               "t_host": step.t_host},
+                               "t_host": step.t_host, "t_disk": step.t_disk},
             },
             "bottleneck": self.bottleneck,
             "memory": dataclasses.asdict(pred.memory),
@@ -148,6 +149,28 @@ def _max_resident_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy
     if r_w < 0:
         return None
     return min(r_w, 1.0), 0.0
+
+
+def _max_host_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy,
+                    cpu_backend: bool) -> float | None:
+    """Largest r_host (whole experts per layer) the host memory allows, or None.
+
+    Host use falls by (1 - r_host) * (X - 2 X_layer) as experts move to disk (X all experts'
+    bytes, 2 X_layer the read ring for two layers of them), linear, so the bound is closed-form.
+    More experts in host memory never reads more from disk, so the largest that fits is best.
+    """
+    mem = memory_use(m, hw, wl, dataclasses.replace(policy, host_resident_ratio=1.0), cpu_backend)
+    excess = mem.host_bytes - mem.host_budget
+    if excess <= 0:
+        return 1.0
+    layer = m.experts_params_per_layer * m.dtype_bytes
+    gain = m.num_moe_layers * layer - 2.0 * layer
+    if gain <= 0 or not m.num_experts:
+        return None
+    r = 1.0 - excess / gain
+    if r < 0:
+        return None
+    return math.floor(r * m.num_experts + 1e-9) / m.num_experts  # what the pager can hold
 
 
 def _candidate_batches(num_requests: int):
@@ -247,6 +270,12 @@ def choose_policy(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, *, backe
                     if solved is None:
                         continue
                     policy = dataclasses.replace(policy, resident_ratio=solved[0], kv_device_ratio=solved[1])
+                r_host = _max_host_ratio(model, hw, wl, policy, cpu_backend)
+                if r_host is None:
+                    continue
+                if r_host < 1.0:  # the disk tier; the device tier lies inside the host tier
+                    policy = dataclasses.replace(policy, host_resident_ratio=r_host,
+                                                 resident_ratio=min(policy.resident_ratio, r_host))
                 if not memory_use(model, hw, wl, policy, cpu_backend).fits:
                     continue
                 scored.append((predict(model, hw, wl, policy, cpu_backend), policy.kv_device_ratio))
@@ -286,11 +315,13 @@ def apply_policy(engine, policy: "PolicyResult | Mapping[str, Any]"):
     """Map a policy (a PolicyResult or the dict from policy.json) onto the engine's knobs:
     N -> max_num_seqs, micro-batches -> num_micro_batches, r_w -> resident_ratio, KV bytes ->
     kv_cache_gb (decimal GB, rounded up), placements -> attention_on_device / ffn_on_device,
-    prefill pass size -> max_prefill_tokens. Returns a new EngineConfig."""
+    prefill pass size -> max_prefill_tokens, r_host < 1 -> host_resident_ratio (the disk tier).
+    Returns a new EngineConfig."""
     data = policy.to_json() if isinstance(policy, PolicyResult) else dict(policy)
     p = data["policy"]
     # Rounded up to whole MB so the engine (blocks_for_budget, also decimal GB) gets every block.
     kv_gb = math.ceil(p["kv_cache_bytes"] / GB * 1000.0) / 1000.0
+    r_host = float(p.get("host_resident_ratio", 1.0))
     return dataclasses.replace(
         engine,
         max_num_seqs=int(p["batch_size"]),
@@ -301,6 +332,7 @@ def apply_policy(engine, policy: "PolicyResult | Mapping[str, Any]"):
         ffn_on_device=bool(p["ffn_on_device"]),
         max_prefill_tokens=int(p.get("prefill_tokens", engine.max_prefill_tokens)),
         block_size=int(p.get("block_size", engine.block_size)),
+        host_resident_ratio=(engine.host_resident_ratio if r_host >= 1.0 else r_host),
     )
 
 

@@ -57,6 +57,8 @@ class HardwareSpec:
     host_step_s: float = 0.0
     host_seq_s: float = 0.0
     host_token_s: float = 0.0
+    # Sequential O_DIRECT read bandwidth of the disk holding the experts (the disk tier's link).
+    disk_bw: float = 2.0e9
     notes: str = ""
 
     @property

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import yaml
 
-from moe_engine.io import hardware_cache_dir, write_text_atomic
+from moe_engine.io import default_cache_dir, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
 from moe_engine.perf.hardware import (HOST_KEYS, gemm_shapes, load_profile, machine_fingerprint, profile_covers,
@@ -135,6 +135,39 @@ def measure_read_bandwidth(nbytes: int) -> float:
     x = torch.ones(nbytes // 4, dtype=torch.float32)
     sec = _median_time(lambda: x.sum(), 0.05, 5)
     return nbytes / sec
+
+
+def measure_disk_read_bandwidth(directory: Path | str, nbytes: int = 256 << 20,
+                                packet_bytes: int = 16 << 20) -> float:
+    """Bytes/s of the disk tier's own reads (O_DIRECT, `packet_bytes` at a time, one in
+    flight) of a file written under `directory`, where the expert files live; median of 3
+    passes. The file is removed afterwards."""
+    from moe_engine.offload.disk import DirectReader, DiskRead, Extent, aligned_empty
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"disk-probe-{os.getpid()}.bin"
+    chunk = os.urandom(1 << 20)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(nbytes >> 20):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        reader = DirectReader()
+        buf = aligned_empty(packet_bytes)
+        parts = DiskRead((Extent(str(path), 0, nbytes),)).split(packet_bytes)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for part in parts:
+                e = part.extents[0]
+                reader.read_into(buf, DiskRead((Extent(e.path, e.offset, e.nbytes, 0),)))
+            times.append(time.perf_counter() - t0)
+        reader.close()
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / statistics.median(times)
 
 
 def measure_copy_bandwidth(nbytes: int) -> float:
@@ -314,6 +347,7 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         "host_seq_us": round(host["host_seq_s"] * 1e6, 3),
         "host_token_us": round(host["host_token_s"] * 1e6, 4),
         "cpu_attention_gbps": round(att_rate / GB, 2) if att_rate else None,
+        "disk_read_gbps": round(measure_disk_read_bandwidth(default_cache_dir()) / GB, 3),
         "attention_kernel": attention[0][1] if attention else None,
         "gemm_impl": _gemm_impl(),
         "gemm": cpu_rows, "cpu_gemm": [],
@@ -348,6 +382,9 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
     models = [model] if model is not None else []
     if path.exists():
         data = load_profile(path)
+        if data.get("disk_read_gbps") is None:  # a profile from before the disk tier: ~1 s
+            data["disk_read_gbps"] = round(measure_disk_read_bandwidth(default_cache_dir()) / GB, 3)
+            write_profile(data, path)
         if profile_covers(data, models):
             return data
         extra = profile_machine(models, fast=fast)
@@ -357,6 +394,8 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
         data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
         for key in HOST_KEYS:
             data.setdefault(key, extra[key])
+        if data.get("disk_read_gbps") is None:
+            data["disk_read_gbps"] = extra["disk_read_gbps"]
         if data.get("cpu_attention_gbps") is None:
             data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
             data["attention_kernel"] = extra["attention_kernel"]
