@@ -34,6 +34,7 @@ from moe_engine.offload.disk import DiskReadError
 from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
 from moe_engine.offload.routing import find_profile
 from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
+from moe_engine.offload.trace import Trace
 
 
 LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
@@ -50,7 +51,7 @@ class LLMEngine:
     """
 
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig(),
-                 dtype: str = "auto"):
+                 dtype: str = "auto", trace: Optional[Trace] = None):
         threads = config.threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         self.spec = load_spec(model_dir)
@@ -95,13 +96,15 @@ class LLMEngine:
             routing = find_profile(model_dir)
             source = expert_source(model_dir, self.spec, self.dtype, self.expert_storage)
             self.offload = build_offload_pipeline(self.runner, settings, routing=routing,
-                                                  experts=source, loaded_bytes=self.loaded_bytes)
+                                                  experts=source, loaded_bytes=self.loaded_bytes,
+                                                  trace=trace)
             self.runner = self.offload
             if routing is None:
                 find_or_record_routing(self, model_dir, 0.0)
         elif settings is not None:
             routing = find_or_record_routing(self, model_dir, settings.resident_ratio)
-            self.offload = build_offload_pipeline(self.runner, settings, routing=routing)
+            self.offload = build_offload_pipeline(self.runner, settings, routing=routing,
+                                                  trace=trace)
             self.runner = self.offload
 
     @classmethod

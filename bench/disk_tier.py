@@ -1,0 +1,234 @@
+"""Disk-tier benchmark (issue 14): small-mixtral with its experts on disk, read with O_DIRECT.
+
+Runs one workload (N prompts of random token ids, EOS ignored, small-mixtral bf16, 2 threads)
+with r_host (experts per layer in host memory) in {1, 0.5, 0.25, 0}, interleaved round by round
+(the VM is noisy), and reports per r_host:
+  tok/s      generated tokens / generate wall time (load excluded);
+  disk GB/s  bytes read / time the reader was busy (page cache bypassed: O_DIRECT);
+  hidden     D - W: the reader's busy time D less the time compute blocked on reads W, i.e.
+             C + D - S with C = S - W this run's compute (serial execution hides nothing,
+             perfect overlap min(C, D)); overlap = hidden / min(C, D);
+  predicted  the performance model's tok/s for the same policy and workload, on this machine's
+             cached hardware profile (disk_read_gbps measured by the profiler);
+  bound      tokens / max(C1, bytes read / the profile's disk rate), C1 the r_host=1 run's wall
+             time (compute with every expert in memory): the slower resource alone.
+Then a fresh process runs under engine.host_memory_gb=0.3 and reports its peak RSS growth over
+its runtime (interpreter, torch, tokenizer) against host_memory_gb + kv_cache_gb.
+A timeline of disk reads against compute (two decode steps of the last r_host=0 run) goes to
+docs/img/disk_tier_timeline.png.
+
+  .venv/bin/python bench/disk_tier.py                 # 64 prompts x 128 tokens, 32 new tokens
+  .venv/bin/python bench/disk_tier.py --requests 128 --rounds 3
+
+Last line: RESULT tok_s_ratio=<r_host 0 vs 1> overlap_fraction=<hidden / min(compute, disk)>
+prediction_accuracy=<1-|pred-meas|/meas at r_host 0> rss_over_budget=<peak growth / budget>
+bound_fraction=<r_host 0 tok/s / bound>
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from engine_throughput import bench_checkpoint, workload  # noqa: E402  (bench/ is sys.path[0])
+from moe_engine.config import EngineConfig  # noqa: E402
+from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
+from moe_engine.offload.trace import Span, Trace  # noqa: E402
+from moe_engine.tools import machine_info  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RATIOS = (1.0, 0.5, 0.25, 0.0)
+
+
+def run(path: Path, config: EngineConfig, reqs, trace: Trace | None = None) -> dict:
+    with LLMEngine(path, config, dtype="bfloat16", trace=trace) as engine:
+        if trace is not None:
+            trace.clear()
+        t0 = time.perf_counter()
+        results = list(engine.generate(reqs))
+        wall = time.perf_counter() - t0
+        tokens = sum(len(r.token_ids) for r in results)
+        out = dict(wall=wall, tokens=tokens, ok=all(r.status == "ok" for r in results),
+                   disk_bytes=0, disk_busy=0.0, mode="-", slots=0)
+        if engine.offload is not None and engine.offload.pager.disk is not None:
+            disk = engine.offload.pager.disk
+            totals = engine.offload.totals
+            out.update(disk_bytes=totals.disk_bytes_read, disk_busy=totals.disk_busy_time_s,
+                       mode=disk.reader.mode, slots=disk.num_slots,
+                       wait=totals.transfer_wait_time_s)
+    return out
+
+
+def predicted_tok_s(path: Path, config: EngineConfig, reqs, r_host: float) -> tuple[float, float]:
+    """(the model's tok/s for this run's policy, the profile's disk GB/s)."""
+    from moe_engine.io import hardware_cache_dir
+    from moe_engine.perf import ModelSpec, Policy, predict, workload_spec_from_lengths
+    from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
+    from moe_engine.tools.profile_hardware import ensure_profile
+
+    model = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
+    profile = ensure_profile(cached_profile_path(hardware_cache_dir()), model)
+    hw = spec_from_figures(profile)
+    wl = workload_spec_from_lengths([len(r.prompt_token_ids) for r in reqs],
+                                    reqs[0].sampling.max_new_tokens)
+    n = config.max_num_seqs
+    policy = Policy(n, max(1, n // config.num_micro_batches), False, True, 1.0,
+                    prefill_tokens=config.max_prefill_tokens, host_resident_ratio=r_host)
+    return predict(model, hw, wl, policy, cpu_backend=True).throughput_tok_s, hw.disk_bw / 1e9
+
+
+_RSS_JOB = r"""
+import json, sys, torch
+from moe_engine.config import EngineConfig
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.engine.memory import peak_rss_bytes, rss_bytes
+from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.engine.tokenizer import load_tokenizer
+model_dir, budget_gb, kv_gb, n = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+load_tokenizer(model_dir)
+base = rss_bytes()
+config = EngineConfig(threads=2, kv_cache_gb=kv_gb, max_num_seqs=n, max_prefill_tokens=512,
+                      host_memory_gb=budget_gb)
+g = torch.Generator().manual_seed(0)
+reqs = [Request(f"r{i}", prompt_token_ids=torch.randint(100, 8000, (128,), generator=g).tolist(),
+                sampling=SamplingParams(max_new_tokens=16, ignore_eos=True)) for i in range(n)]
+with LLMEngine(model_dir, config, dtype="bfloat16") as engine:
+    ok = all(r.status == "ok" for r in engine.generate(reqs))
+    slots = engine.offload.pager.disk.num_slots
+print(json.dumps(dict(base=base, peak=peak_rss_bytes(), ok=ok, slots=slots)))
+"""
+
+
+def rss_check(path: Path, budget_gb: float, kv_gb: float, n: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _RSS_JOB, str(path), str(budget_gb), str(kv_gb),
+                          str(n)], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got["growth"] = got["peak"] - got["base"]
+    got["ratio"] = got["growth"] / ((budget_gb + kv_gb) * 1e9)
+    return got
+
+
+def plot_timeline(spans: list[Span], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lanes = [("disk", "disk reads"), ("device", "compute"), ("wait", "blocked on reads"),
+             ("cpu", "CPU attention")]
+    colours = {"disk": "tab:blue", "wait": "tab:red", "cpu": "tab:green"}
+    t0 = min(s.start for s in spans)
+    fig, ax = plt.subplots(figsize=(12, 3.0))
+    for row, (lane, _) in enumerate(lanes):
+        mine = [s for s in spans if s.lane == lane]
+        cols = [colours.get(lane, "tab:orange" if s.label.startswith("expert") else "tab:gray")
+                for s in mine]
+        ax.broken_barh([((s.start - t0) * 1e3, max(s.duration * 1e3, 0.05)) for s in mine],
+                       (row - 0.4, 0.8), facecolors=cols, edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), [name for _, name in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(handles=[Patch(color="tab:blue", label="expert read (16 MiB packets)"),
+                       Patch(color="tab:orange", label="expert FFN"),
+                       Patch(color="tab:gray", label="norm/QKV/O/router/head"),
+                       Patch(color="tab:red", label="blocked on a read"),
+                       Patch(color="tab:green", label="attention (CPU worker)")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5, fontsize=8, frameon=False)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def decode_window(trace: Trace, first: int, steps: int) -> list[Span]:
+    starts = [s.start for s in trace.spans("device") if s.label == "embed"]
+    lo = starts[min(first, len(starts) - 1)]
+    hi = starts[first + steps] if first + steps < len(starts) else float("inf")
+    return [s for s in trace.spans() if lo <= s.start < hi]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: small-mixtral)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget-gb", type=float, default=0.3)
+    ap.add_argument("--figure", default=str(REPO / "docs" / "img" / "disk_tier_timeline.png"))
+    args = ap.parse_args()
+
+    path = bench_checkpoint(args.model)
+    print(machine_info.header(args.threads))
+    print(f"date {_dt.date.today()}  model {path}  requests {args.requests} x {args.prompt_len} "
+          f"tokens, {args.new_tokens} new (EOS ignored), bf16")
+    reqs = workload(args.requests, args.prompt_len, args.new_tokens, 8000)
+    base = EngineConfig(threads=args.threads, kv_cache_gb=0.25, max_num_seqs=args.requests,
+                        max_prefill_tokens=2048, num_micro_batches=2)
+
+    def config(r: float) -> EngineConfig:
+        return base if r >= 1.0 else EngineConfig(**{**base.__dict__, "host_resident_ratio": r})
+
+    # Warm-up: builds the expert file and the routing profile once, outside the timed runs.
+    run(path, config(0.0), reqs[:2])
+    runs: dict[float, list[dict]] = {r: [] for r in RATIOS}
+    trace = Trace()
+    for _ in range(args.rounds):
+        for r in RATIOS:
+            runs[r].append(run(path, config(r), reqs, trace=trace if r == 0.0 else None))
+    c = statistics.median(x["wall"] for x in runs[1.0])
+    tokens = runs[1.0][0]["tokens"]
+    rows = {}
+    print(f"\n{'r_host':>6} {'tok/s':>8} {'wall s':>7} {'disk GB':>8} {'disk GB/s':>9} "
+          f"{'busy s':>7} {'wait s':>7} {'hidden s':>8} {'overlap':>7} {'pred tok/s':>10} "
+          f"{'bound tok/s':>11} {'slots':>5} mode")
+    for r in RATIOS:
+        s = statistics.median(x["wall"] for x in runs[r])
+        d = statistics.median(x["disk_busy"] for x in runs[r])
+        w = statistics.median(x.get("wait", 0.0) for x in runs[r])
+        nbytes = statistics.median(x["disk_bytes"] for x in runs[r])
+        pred, disk_gbps = predicted_tok_s(path, config(r), reqs, r)
+        hidden = d - w
+        compute = s - w
+        overlap = hidden / min(compute, d) if d > 0 else float("nan")
+        bound = tokens / max(c, nbytes / (disk_gbps * 1e9))
+        rows[r] = dict(tok_s=tokens / s, wall=s, disk_busy=d, disk_bytes=nbytes, hidden=hidden,
+                       overlap=overlap, pred=pred, bound=bound, compute=compute, wait=w)
+        last = runs[r][-1]
+        assert all(x["ok"] for x in runs[r]), f"r_host {r}: rows failed"
+        print(f"{r:>6.2f} {tokens / s:>8.1f} {s:>7.2f} {nbytes / 1e9:>8.2f} "
+              f"{(nbytes / d / 1e9) if d else 0:>9.2f} {d:>7.2f} {w:>7.2f} {hidden if d else 0:>8.2f} "
+              f"{overlap if d else 0:>7.2f} {pred:>10.1f} {bound:>11.1f} {last['slots']:>5} "
+              f"{last['mode']}")
+    zero = rows[0.0]
+    accuracy = 1.0 - abs(zero["pred"] - zero["tok_s"]) / zero["tok_s"]
+    print(f"\nprofile disk rate {disk_gbps:.2f} GB/s; C (r_host 1) = {c:.2f} s")
+    rss = rss_check(path, args.budget_gb, 0.05, 16)
+    print(f"RSS under host_memory_gb={args.budget_gb} kv_cache_gb=0.05: growth "
+          f"{rss['growth'] / 1e6:.0f} MB over a {rss['base'] / 1e6:.0f} MB runtime, ring "
+          f"{rss['slots']} slots, {rss['ratio']:.3f} of the budget")
+    spans = decode_window(trace, 3, 2)
+    if spans:
+        plot_timeline(spans, Path(args.figure),
+                      f"small-mixtral bf16, r_host=0 (every expert read from disk with O_DIRECT), "
+                      f"{args.requests} sequences: two decode steps")
+        print(f"figure: {args.figure}")
+    print(f"RESULT tok_s_ratio={zero['tok_s'] / rows[1.0]['tok_s']:.3f} "
+          f"overlap_fraction={zero['overlap']:.3f} prediction_accuracy={accuracy:.3f} "
+          f"rss_over_budget={rss['ratio']:.3f} bound_fraction={zero['tok_s'] / zero['bound']:.3f}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    main()
