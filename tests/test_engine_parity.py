@@ -203,8 +203,9 @@ def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path
 
 # Flags the tiny presets leave at their hub values, switched: Qwen3 with q/k/v/o biases and
 # decoder_sparse_step=2 (layer 0 dense), OLMoE with clip_qkv low enough to clip and with
-# q/k/v/o biases, Qwen2-MoE without its q/k/v biases (qkv_bias false). Each with the spec
-# fields the config must set.
+# q/k/v/o biases, Qwen2-MoE without its q/k/v biases (qkv_bias false), GLM-4.5 as GLM-4.5-Air
+# sets it (no q/k norm, one expert group, no routed scaling) and with a quarter of each head
+# rotated, two dense layers and no q/k/v biases. Each with the spec fields the config must set.
 VARIANTS = {
     "qwen3-bias-sparse-step": ("tiny-qwen3-moe", dict(attention_bias=True, decoder_sparse_step=2),
                                dict(qkv_bias=True, o_bias=True, dense_layers=(0,))),
@@ -212,6 +213,13 @@ VARIANTS = {
     "olmoe-attention-bias": ("tiny-olmoe", dict(attention_bias=True), dict(qkv_bias=True, o_bias=True)),
     "qwen2-moe-no-qkv-bias": ("tiny-qwen2-moe", dict(attention_bias=False),
                               dict(qkv_bias=False, o_bias=False)),
+    "glm4-moe-air-like": ("tiny-glm4-moe",
+                          dict(qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+                          dict(qk_norm=None, router_groups=1, routed_scaling_factor=1.0)),
+    "glm4-moe-quarter-rotary-two-dense": (
+        "tiny-glm4-moe", dict(partial_rotary_factor=0.25, first_k_dense_replace=2,
+                              attention_bias=False),
+        dict(rotary_dim=8, dense_layers=(0, 1), qkv_bias=False)),
 }
 
 

@@ -68,7 +68,7 @@ def _logits_of(engine, requests, rid):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe"])
 def test_row_logits_are_bitwise_identical_alone_and_in_batches_of_7_and_64(preset, builtin_dir):
     engine = LLMEngine(builtin_dir(preset), EngineConfig(threads=2, kv_cache_gb=0.05,
                                                          num_micro_batches=3))
