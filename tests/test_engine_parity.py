@@ -201,6 +201,24 @@ def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path
                    for x, y in zip(la.experts, lb.experts))
 
 
+def test_multi_token_prediction_layer_past_the_last_layer_is_not_loaded(builtin_dir, tmp_path):
+    """GLM-4.5 checkpoints carry an MTP module as model.layers.<num_hidden_layers>.* (a whole
+    MoE layer plus eh_proj/enorm/hnorm); generation never runs it, so it is never read."""
+    src = builtin_dir("tiny-glm4-moe")
+    spec = load_spec(src)
+    state = load_file(str(src / "model.safetensors"))
+    last, mtp = f"model.layers.{spec.num_layers - 1}.", f"model.layers.{spec.num_layers}."
+    extra = {mtp + name[len(last):]: t.clone() for name, t in state.items() if name.startswith(last)}
+    extra[mtp + "eh_proj.weight"] = torch.zeros(spec.hidden_size, 2 * spec.hidden_size)
+    extra[mtp + "enorm.weight"] = torch.ones(spec.hidden_size)
+    save_file({**state, **extra}, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    a, b = load_weights(src, spec, torch.float32), load_weights(tmp_path, spec, torch.float32)
+    assert len(b.layers) == spec.num_layers
+    for la, lb in zip(a.layers, b.layers):
+        assert all(torch.equal(x, y) for x, y in zip(la.dense.tensors(), lb.dense.tensors()))
+
+
 # Flags the tiny presets leave at their hub values, switched: Qwen3 with q/k/v/o biases and
 # decoder_sparse_step=2 (layer 0 dense), OLMoE with clip_qkv low enough to clip and with
 # q/k/v/o biases, Qwen2-MoE without its q/k/v biases (qkv_bias false), GLM-4.5 as GLM-4.5-Air

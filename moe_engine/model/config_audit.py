@@ -10,9 +10,9 @@ families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE). A field is in one 
   inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
       router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
-      it), a sliding window no sequence can outgrow, GLM-4.5's sliding_window (its attention
-      never reads it) and num_nextn_predict_layers (the multi-token-prediction layer only
-      drafts tokens for speculative decoding; generate does not run it by default);
+      it), a sliding window no sequence can outgrow, GLM-4.5's num_nextn_predict_layers (the
+      multi-token-prediction layer only drafts tokens for speculative decoding; generate does
+      not run it by default);
   refused here: everything else that transformers computes, each naming the field and value.
 It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
 parameters and the effective window through the helpers here, so reader and judge agree.
@@ -51,10 +51,10 @@ def sliding_window(cfg: Mapping[str, Any], model_type: str) -> tuple[str, Option
             return ("sliding_window", None)
         field = "sliding_window" if use else "layer_types"
         return (field, window if use else 0)
-    if model_type == "glm4_moe":
-        return ("sliding_window", None)  # Glm4MoeAttention has no window
     # Mixtral windows every layer whenever the key is set (it has no use_sliding_window);
-    # OLMoE hands the key to the attention kernels, and flash attention applies it.
+    # OLMoE hands the key to the attention kernels, and flash attention applies it; GLM-4.5's
+    # attention has no window, but transformers' generate builds its masks from the config
+    # (masking_utils.create_masks_for_generate windows them when the key is set).
     return ("sliding_window", window)
 
 
