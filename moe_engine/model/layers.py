@@ -224,8 +224,8 @@ def ffn_output(dense: DenseLayerWeights, h: torch.Tensor,
     """A layer's FFN output from its routed part and the part held with its dense weights.
 
     A dense layer (routed None) runs its MLP; a MoE layer adds its shared expert to the routed
-    sum when it has one: scaled by sigmoid(shared_expert_gate(h)) where it is gated
-    (Qwen2-MoE), as it is otherwise (GLM-4.5's shared experts).
+    sum when it has one, scaled by sigmoid(shared_expert_gate(h)) where it is gated
+    (Qwen2-MoE), unscaled where it is not (GLM-4.5's shared experts).
     """
     if routed is None:
         return swiglu(dense.mlp, h)
