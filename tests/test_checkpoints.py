@@ -69,7 +69,9 @@ def test_transformers_loads_every_tensor(builtin_dir, preset):
     # The loaded weights are the generated ones (not a fresh random init that happens to load).
     state = generate_state_dict(PRESETS[preset], seed=0,
                                 text_vocab=load_tokenizer(model_dir).hf.vocab_size)
-    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in state.values())
+    # state_dict: GLM-4.5's e_score_correction_bias is a (persistent) buffer, not a parameter
+    assert sum(t.numel() for t in model.state_dict().values()) == \
+        sum(t.numel() for t in state.values())
     torch.testing.assert_close(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
     torch.testing.assert_close(model.lm_head.weight, state["lm_head.weight"])
     size_mb = (model_dir / "model.safetensors").stat().st_size / 2**20
@@ -86,6 +88,14 @@ def test_tiny_presets_have_their_architecture_features(builtin_dir):
     olmoe = load_spec(builtin_dir("tiny-olmoe"))
     assert olmoe.qk_norm == "projection" and not olmoe.norm_topk_prob
     assert (olmoe.num_experts, olmoe.top_k) == (64, 8)
+    glm = load_spec(builtin_dir("tiny-glm4-moe"))
+    assert glm.dense_layers == (0,) and glm.qk_norm == "head" and glm.qkv_bias and not glm.o_bias
+    assert glm.rotary_dim == glm.head_dim // 2 and glm.norm_topk_prob
+    assert glm.shared_expert_intermediate_size == glm.intermediate_size
+    assert not glm.shared_expert_gate
+    assert (glm.router_scoring, glm.router_score_correction, glm.router_logits_fp32) == \
+        ("sigmoid", True, True)
+    assert 1 < glm.router_topk_groups < glm.router_groups and glm.routed_scaling_factor != 1.0
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

@@ -69,6 +69,12 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     # transformers' Mixtral/Qwen/OLMoE rotate whole heads, so they cannot run a partial factor.
     "qwen3-moe-partial-rotary": (
         "tiny-qwen3-moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5", False),
+    # GLM-4.5's forward ignores the key, but transformers' generate windows its masks with it
+    # (masking_utils.create_masks_for_generate), so generated tokens depend on it.
+    "glm4-moe-sliding-window": ("tiny-glm4-moe", {"sliding_window": 16}, "sliding_window=16", False),
+    "glm4-moe-hidden-act-gelu": ("tiny-glm4-moe", {"hidden_act": "gelu"}, "hidden_act='gelu'", True),
+    "glm4-moe-quantization-config": (
+        "tiny-glm4-moe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
     "olmoe-quantization-config": (
         "tiny-olmoe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
 }
@@ -114,6 +120,18 @@ HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral-tie-word-embeddings-with-own-lm-head": ("tiny-mixtral", {"tie_word_embeddings": True}),
     "qwen3-moe-rope-dynamic": (
         "tiny-qwen3-moe", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    # GLM-4.5's multi-token-prediction layer is not run.
+    "glm4-moe-mtp-layer-count": ("tiny-glm4-moe", {"num_nextn_predict_layers": 1}),
+    # transformers' order: rope_parameters' factor over the top-level key (24 of 32 dims)...
+    "glm4-moe-partial-rotary-in-rope-parameters": (
+        "tiny-glm4-moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                              "partial_rotary_factor": 0.75}}),
+    # ...and GLM's default 0.5 when config.json has neither (a 16-of-32 rotation).
+    "glm4-moe-partial-rotary-default": ("tiny-glm4-moe", {"partial_rotary_factor": None}),
+    # YaRN over the rotated part only: its frequencies and ramp are those of 16 dims.
+    "glm4-moe-rope-yarn-partial": (
+        "tiny-glm4-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 64}}),
     "qwen2-moe-rope-yarn-mscale": (
         "tiny-qwen2-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
                                             "mscale_all_dim": 0.5,

@@ -117,6 +117,41 @@ def test_dense_layers_are_the_ones_transformers_builds_as_mlp(tmp_path, model_ty
         0 if i in mlp_layers else 4 for i in range(6)]
 
 
+def test_glm4_moe_checkpoint_saved_by_transformers_loads_completely(tmp_path):
+    """What transformers' save_pretrained writes for glm4_moe (per-expert tensor names, the fp32
+    score-correction bias, n_shared_experts wide shared experts, first_k_dense_replace dense
+    layers, partial_rotary_factor inside rope_parameters) reads back as transformers built it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("glm4_moe", vocab_size=16, hidden_size=16, intermediate_size=24,
+                               moe_intermediate_size=4, n_shared_experts=2, n_routed_experts=8,
+                               num_experts_per_tok=2, n_group=2, topk_group=1,
+                               first_k_dense_replace=2, num_hidden_layers=4, head_dim=8,
+                               num_attention_heads=2, num_key_value_heads=1, use_qk_norm=True,
+                               attention_bias=True)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    biases = {}
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):  # fp32 beside bf16 weights, as the hub's checkpoints
+            biases[i] = torch.randn(8, dtype=torch.float32)
+            layer.mlp.gate.e_score_correction_bias = biases[i].clone()
+    model.save_pretrained(tmp_path)
+    spec = load_spec(tmp_path)
+    mlp_layers = tuple(i for i, layer in enumerate(model.model.layers)
+                       if not hasattr(layer.mlp, "experts"))
+    assert spec.dense_layers == mlp_layers == (0, 1)
+    assert spec.shared_expert_intermediate_size == 8 and spec.dense_intermediate_size == 24
+    assert spec.rotary_dim == 2 * model.model.rotary_emb.inv_freq.numel() == 4
+    assert (spec.router_groups, spec.router_topk_groups, spec.qk_norm) == (2, 1, "head")
+    weights = load_weights(tmp_path, spec, torch.bfloat16)
+    assert [len(layer.experts) for layer in weights.layers] == [0, 0, 8, 8]
+    for i, bias in biases.items():
+        dense = weights.layers[i].dense
+        assert bias.dtype == torch.float32 and torch.equal(dense.score_correction_bias, bias)
+        assert dense.shared_expert is not None and dense.shared_expert_gate is None
+        assert dense.router.dtype == torch.float32  # fp32 router logits, as transformers
+
+
 def test_qwen2_moe_config_without_qkv_bias_key_has_biases(tmp_path):
     # Hub Qwen1.5-MoE configs omit qkv_bias; transformers defaults it to true.
     (tmp_path / "config.json").write_text(json.dumps({

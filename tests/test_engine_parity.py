@@ -201,10 +201,29 @@ def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path
                    for x, y in zip(la.experts, lb.experts))
 
 
+def test_multi_token_prediction_layer_past_the_last_layer_is_not_loaded(builtin_dir, tmp_path):
+    """GLM-4.5 checkpoints carry an MTP module as model.layers.<num_hidden_layers>.* (a whole
+    MoE layer plus eh_proj/enorm/hnorm); generation never runs it, so it is never read."""
+    src = builtin_dir("tiny-glm4-moe")
+    spec = load_spec(src)
+    state = load_file(str(src / "model.safetensors"))
+    last, mtp = f"model.layers.{spec.num_layers - 1}.", f"model.layers.{spec.num_layers}."
+    extra = {mtp + name[len(last):]: t.clone() for name, t in state.items() if name.startswith(last)}
+    extra[mtp + "eh_proj.weight"] = torch.zeros(spec.hidden_size, 2 * spec.hidden_size)
+    extra[mtp + "enorm.weight"] = torch.ones(spec.hidden_size)
+    save_file({**state, **extra}, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    a, b = load_weights(src, spec, torch.float32), load_weights(tmp_path, spec, torch.float32)
+    assert len(b.layers) == spec.num_layers
+    for la, lb in zip(a.layers, b.layers):
+        assert all(torch.equal(x, y) for x, y in zip(la.dense.tensors(), lb.dense.tensors()))
+
+
 # Flags the tiny presets leave at their hub values, switched: Qwen3 with q/k/v/o biases and
 # decoder_sparse_step=2 (layer 0 dense), OLMoE with clip_qkv low enough to clip and with
-# q/k/v/o biases, Qwen2-MoE without its q/k/v biases (qkv_bias false). Each with the spec
-# fields the config must set.
+# q/k/v/o biases, Qwen2-MoE without its q/k/v biases (qkv_bias false), GLM-4.5 as GLM-4.5-Air
+# sets it (no q/k norm, one expert group, no routed scaling) and with a quarter of each head
+# rotated, two dense layers and no q/k/v biases. Each with the spec fields the config must set.
 VARIANTS = {
     "qwen3-bias-sparse-step": ("tiny-qwen3-moe", dict(attention_bias=True, decoder_sparse_step=2),
                                dict(qkv_bias=True, o_bias=True, dense_layers=(0,))),
@@ -212,6 +231,13 @@ VARIANTS = {
     "olmoe-attention-bias": ("tiny-olmoe", dict(attention_bias=True), dict(qkv_bias=True, o_bias=True)),
     "qwen2-moe-no-qkv-bias": ("tiny-qwen2-moe", dict(attention_bias=False),
                               dict(qkv_bias=False, o_bias=False)),
+    "glm4-moe-air-like": ("tiny-glm4-moe",
+                          dict(qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+                          dict(qk_norm=None, router_groups=1, routed_scaling_factor=1.0)),
+    "glm4-moe-quarter-rotary-two-dense": (
+        "tiny-glm4-moe", dict(partial_rotary_factor=0.25, first_k_dense_replace=2,
+                              attention_bias=False),
+        dict(rotary_dim=8, dense_layers=(0, 1), qkv_bias=False)),
 }
 
 

@@ -12,7 +12,8 @@ from moe_engine.perf.reference_models import REFERENCE_CONFIGS, reference_model
 
 # Published total parameter counts (billions).
 PUBLISHED_PARAMS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "qwen1.5-moe-a2.7b": 14.3,
-                    "qwen3-30b-a3b": 30.5, "olmoe-1b-7b": 6.9, "deepseek-v2-lite": 15.7}
+                    "qwen3-30b-a3b": 30.5, "olmoe-1b-7b": 6.9, "deepseek-v2-lite": 15.7,
+                    "glm-4.5": 355, "glm-4.5-air": 106}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
@@ -44,6 +45,38 @@ def test_deepseek_v2_dense_first_layer_and_mla_cache():
     assert m.shared_expert_intermediate_size == 2 * 1408
     # The HF cache holds per-head K (128 nope + 64 rope) and V (128).
     assert m.kv_bytes_per_token_layer == 16 * (192 + 128) * 2
+
+
+# GLM-4.5 report / model cards: total and activated parameters (billions). "Activated" counts
+# the decoder layers a token runs through (no embedding, no LM head): that reading puts GLM-4.5
+# at 32.08B. Both totals and GLM-4.5's activated count are within 1%; GLM-4.5-Air's activated
+# count is 12.18B, which the card gives as "12B" (two significant figures, 1.5% off), so it is
+# checked to that precision. The one multi-token-prediction layer of each checkpoint is in
+# neither figure (counting it would put GLM-4.5-Air at 109.2B total).
+@pytest.mark.parametrize("name, total, active, active_rel", [
+    ("glm-4.5", 355, 32, 0.01), ("glm-4.5-air", 106, 12, 0.02)])
+def test_glm_reference_configs_match_published_total_and_activated_counts(name, total, active,
+                                                                            active_rel):
+    m = reference_model(name)
+    assert m.total_params / 1e9 == pytest.approx(total, rel=0.01)
+    assert m.active_params / 1e9 == pytest.approx(active, rel=active_rel)
+    assert round(m.active_params / 1e9) == active
+
+
+def test_glm_4_5_air_dense_first_layer_shared_expert_and_router():
+    m = reference_model("glm-4.5-air")
+    assert m.dense_layers == (0,) and m.num_moe_layers == 45
+    assert m.dense_intermediate_size == 10944 and m.intermediate_size == 1408
+    assert m.shared_expert_intermediate_size == 1408 and not m.shared_expert_gate
+    assert m.qkv_bias and not m.o_bias and m.qk_norm is None and m.rotary_dim == 64
+    assert (m.router_scoring, m.router_score_correction, m.router_groups) == ("sigmoid", True, 1)
+    # router weight plus its score-correction bias; the shared expert is in every token's path
+    assert m.router_params == 4096 * 128 + 128
+    assert m.dense_params_per_layer == m.attn_params_per_layer + m.router_params + 3 * 4096 * 1408 + 2 * 4096
+    # GQA with 8 KV heads of 128 (partial RoPE does not change what is cached)
+    assert m.kv_bytes_per_token == 46 * 8 * 2 * 128 * 2
+    full = reference_model("glm-4.5")
+    assert full.dense_layers == (0, 1, 2) and full.qk_norm == "head" and full.routed_scaling_factor == 2.5
 
 
 def test_qwen3_moe_explicit_head_dim():

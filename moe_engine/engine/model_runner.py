@@ -140,7 +140,8 @@ class ModelRunner:
         h = rms_norm(act.x, dense.post_norm, self.spec.rms_norm_eps)
         routed = Routed(h)
         if self.spec.is_moe_layer(layer):
-            routed.weights, routed.experts = route(dense.router, h, self.spec)
+            routed.weights, routed.experts = route(dense.router, h, self.spec,
+                                                     dense.score_correction_bias)
             if self.routing_observer is not None:
                 self.routing_observer(layer, routed.experts)
         self.times.dense_s += time.perf_counter() - t0

@@ -7,7 +7,8 @@ config may omit). Slots:
   global: embed, final_norm, lm_head
   layer:  input_norm, post_norm, q, k, v, o, router; q_bias, k_bias, v_bias, o_bias;
           q_norm, k_norm; mlp_w1/w3/w2 (a dense layer's MLP); shared_w1/w3/w2 and
-          shared_expert_gate (Qwen2-MoE's shared expert)
+          shared_expert_gate (Qwen2-MoE's shared expert; GLM-4.5's shared experts have no
+          gate); score_correction_bias (the router's e_score_correction_bias, GLM-4.5)
   expert: w1 (gate), w3 (up), w2 (down), one tensor per expert
   fused:  gate_up [E, 2*I, H] and down [E, H, I], the layout transformers 5 uses in memory
 """
@@ -64,6 +65,9 @@ def _swiglu(prefix: str, slot: str) -> tuple[Rule, ...]:
 _DENSE_MLP = _swiglu("mlp", "mlp")
 _SHARED_EXPERT = _swiglu(r"mlp\.shared_expert", "shared") + (
     (_L + r"mlp\.shared_expert_gate\.weight", "layer", "shared_expert_gate"),)
+# DeepSeek-style: n_shared_experts fused into one ungated MLP named in the plural.
+_SHARED_EXPERTS = _swiglu(r"mlp\.shared_experts", "shared")
+_SCORE_CORRECTION = ((_L + r"mlp\.gate\.e_score_correction_bias", "layer", "score_correction_bias"),)
 
 
 def _routed_experts(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
@@ -88,6 +92,11 @@ MIXTRAL_TABLE = _COMMON + _routed_experts("block_sparse_moe", "w1", "w3", "w2")
 QWEN2_MOE_TABLE = _COMMON + _ATTENTION_BIAS + _QWEN_EXPERTS + _SHARED_EXPERT + _DENSE_MLP
 QWEN3_MOE_TABLE = _COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS + _DENSE_MLP
 OLMOE_TABLE = _COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS
+# The same names in hub checkpoints and in transformers' save_pretrained (per-expert names;
+# the fused in-memory ones load too). The MTP layer GLM-4.5 checkpoints carry past the last
+# decoder layer (model.layers.<num_hidden_layers>.*) is skipped by the loader.
+GLM4_MOE_TABLE = (_COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS + _SCORE_CORRECTION
+                  + _SHARED_EXPERTS + _DENSE_MLP)
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,15 @@ class Architecture:
     them (a Qwen3 config carrying shared_expert_intermediate_size has no shared expert).
     fixed: values of such keys the architecture implies without reading a key.
     qk_norm: None, "head" (RMSNorm of each q/k head, Qwen3) or "projection" (one RMSNorm over
-    the whole q and k projections, OLMoE). router_weights_fp32: Mixtral scales expert outputs by
-    the fp32 router weights; the others cast them to the model dtype first.
+    the whole q and k projections, OLMoE); `use_qk_norm` in the config switches it where the
+    architecture reads that key (GLM-4.5). router_weights_fp32: Mixtral and GLM-4.5 scale expert
+    outputs by the fp32 router weights; the others cast them to the model dtype first.
+    router_scoring: "softmax" or "sigmoid" (DeepSeek-V3 / GLM-4.5: sigmoid scores, a
+    score-correction bias for choosing, group-limited top-k; see layers.route);
+    router_logits_fp32: the router GEMM runs in fp32 whatever the model dtype (GLM-4.5,
+    DeepSeek) instead of in the model dtype (Mixtral, Qwen, OLMoE).
+    o_bias: whether `attention_bias` covers the O projection too (GLM-4.5's covers q/k/v only).
+    shared_expert_gate: the shared expert is scaled by sigmoid(gate(h)) (Qwen2-MoE).
     """
 
     model_type: str
@@ -109,6 +125,10 @@ class Architecture:
     fixed: tuple[tuple[str, Any], ...] = ()
     qk_norm: Optional[str] = None
     router_weights_fp32: bool = False
+    router_scoring: str = "softmax"
+    router_logits_fp32: bool = False
+    o_bias: bool = True
+    shared_expert_gate: bool = False
 
     def own_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """The architecture-specific settings of `cfg`, defaults filled in."""
@@ -124,7 +144,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "qwen2_moe", QWEN2_MOE_TABLE,
         # Hub Qwen1.5-MoE configs omit qkv_bias; the checkpoints have the biases.
         config_keys=(("qkv_bias", True), ("shared_expert_intermediate_size", 5632))
-        + _QWEN_SPARSITY),
+        + _QWEN_SPARSITY, shared_expert_gate=True),
     "Qwen3MoeForCausalLM": Architecture(
         "qwen3_moe", QWEN3_MOE_TABLE, config_keys=(("attention_bias", False),) + _QWEN_SPARSITY,
         qk_norm="head"),
@@ -132,6 +152,17 @@ ARCHITECTURES: dict[str, Architecture] = {
         "olmoe", OLMOE_TABLE,
         config_keys=(("attention_bias", False), ("clip_qkv", None), ("norm_topk_prob", False)),
         qk_norm="projection"),
+    # Defaults from transformers' Glm4MoeConfig (partial_rotary_factor: set to 0.5 in its
+    # __post_init__ when config.json has none; a value in rope_parameters wins, see spec.py).
+    "Glm4MoeForCausalLM": Architecture(
+        "glm4_moe", GLM4_MOE_TABLE,
+        config_keys=(("attention_bias", False), ("use_qk_norm", False), ("norm_topk_prob", True),
+                     ("n_shared_experts", 1), ("first_k_dense_replace", 1), ("n_group", 1),
+                     ("topk_group", 1), ("routed_scaling_factor", 1.0),
+                     ("partial_rotary_factor", 0.5)),
+        fixed=(("e_score_correction_bias", True), ("group_score", "top2_sum")),
+        qk_norm="head", router_weights_fp32=True, router_scoring="sigmoid",
+        router_logits_fp32=True, o_bias=False),
 }
 
 

@@ -1,14 +1,18 @@
 """config.json fields that would change the math but the engine does not compute: refused at load.
 
-Audited field by field against transformers' configuration and modeling files of the four
-families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE). A field is in one of three groups:
+Audited field by field against transformers' configuration and modeling files of the five
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE). A field is in one of three groups:
   honoured: spec.py reads it into ModelSpec and the layers compute it (shapes, rms_norm_eps,
       RoPE default/dynamic/linear/llama3/yarn, biases, q/k norms, clip_qkv, norm_topk_prob, shared
-      experts, dense layers, tied embeddings, dtype);
+      experts, dense layers, tied embeddings, dtype; GLM-4.5's partial_rotary_factor,
+      use_qk_norm, n_shared_experts, first_k_dense_replace, n_group, topk_group,
+      routed_scaling_factor);
   inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
       router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
-      it), a sliding window no sequence can outgrow;
+      it), a sliding window no sequence can outgrow, GLM-4.5's num_nextn_predict_layers (the
+      multi-token-prediction layer only drafts tokens for speculative decoding; generate does
+      not run it by default);
   refused here: everything else that transformers computes, each naming the field and value.
 It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
 parameters and the effective window through the helpers here, so reader and judge agree.
@@ -48,7 +52,9 @@ def sliding_window(cfg: Mapping[str, Any], model_type: str) -> tuple[str, Option
         field = "sliding_window" if use else "layer_types"
         return (field, window if use else 0)
     # Mixtral windows every layer whenever the key is set (it has no use_sliding_window);
-    # OLMoE hands the key to the attention kernels, and flash attention applies it.
+    # OLMoE hands the key to the attention kernels, and flash attention applies it; GLM-4.5's
+    # attention has no window, but transformers' generate builds its masks from the config
+    # (masking_utils.create_masks_for_generate windows them when the key is set).
     return ("sliding_window", window)
 
 
@@ -93,7 +99,13 @@ def _check_rope_type(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
     return f"{key}.rope_type={kind!r}: supported RoPE types are {', '.join(ROPE_TYPES)}"
 
 
+# Architectures whose RoPE rotates the first int(head_dim * partial_rotary_factor) dims.
+PARTIAL_ROTARY_TYPES = ("glm4_moe",)
+
+
 def _check_partial_rotary(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type in PARTIAL_ROTARY_TYPES:
+        return None
     key, params = rope_parameters(cfg)
     for field, factor in ((f"{key}.partial_rotary_factor", params.get("partial_rotary_factor")),
                           ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):

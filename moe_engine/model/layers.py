@@ -1,8 +1,8 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
-Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE numerically (RMSNorm in fp32,
-router softmax in fp32, top-k weights renormalised where the spec says so) so fp32 runs match
-them to rounding. Where the architectures differ, a ModelSpec flag picks the branch.
+Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5-MoE numerically (RMSNorm
+in fp32, router scores in fp32, top-k weights renormalised where the spec says so) so fp32 runs
+match them to rounding. Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
 
@@ -88,10 +88,16 @@ def _yarn_inv_freq(rope: RopeSpec, head_dim: int, inv: torch.Tensor) -> tuple[to
 
 
 class RotaryTable:
-    """cos/sin for every position up to max_positions, computed once in fp32, stored in dtype."""
+    """cos/sin for every position up to max_positions, computed once in fp32, stored in dtype.
+
+    With a partial rotary factor (GLM-4.5) only the first `rotary_dim` dims of a head rotate,
+    by the rotate-half pairing (i, i + rotary_dim/2) within them, as transformers'
+    apply_rotary_pos_emb does; the frequencies are those of a head of rotary_dim dims.
+    """
 
     def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype):
-        inv, scale = rope_inv_freq(spec.rope, spec.head_dim)
+        self.rotary_dim = spec.rotary_dim
+        inv, scale = rope_inv_freq(spec.rope, self.rotary_dim)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -102,9 +108,16 @@ class RotaryTable:
         """Rotate x [T, heads, d] by its token positions [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return _rotate(x, cos, sin)
+        return torch.cat([_rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
@@ -134,20 +147,66 @@ def attention_output(dense: DenseLayerWeights, attn: torch.Tensor) -> torch.Tens
     return linear(attn, dense.wo, dense.bo)
 
 
-def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec
+def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
+          score_correction_bias: Optional[torch.Tensor] = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts in fp32, top-k, renormalise the k weights if the spec says so.
+    """The experts each token goes to and their weights: weights [T, k], experts [T, k].
 
-    Weights stay fp32 for Mixtral; the other architectures cast them to the activations' dtype
+    Scores are the softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2) or the sigmoid (DeepSeek-V3,
+    GLM-4.5) of the router logits, in fp32. Experts are chosen by top-k over the scores plus
+    `score_correction_bias` where the spec has one, restricted to the best groups where it
+    groups experts (`limit_to_top_groups`); the weights are the chosen experts' un-biased
+    scores, renormalised if the spec says so, times routed_scaling_factor.
+
+    Weights stay fp32 for Mixtral and GLM-4.5; the others cast them to the activations' dtype
     before scaling the expert outputs (same result in fp32).
     """
-    probs = torch.softmax(linear(h, router).float(), dim=-1)
-    weights, experts = torch.topk(probs, spec.top_k, dim=-1)
+    # fp32 logits from an fp32 weight (loaded so) where transformers computes them so.
+    x = h.float() if spec.router_logits_fp32 else h
+    logits = linear(x, router).float()
+    if spec.router_scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    choice = scores if score_correction_bias is None else scores + score_correction_bias
+    if spec.router_groups > 1:
+        choice = limit_to_top_groups(choice, spec.router_groups, spec.router_topk_groups,
+                                     spec.router_group_score)
+    experts = torch.topk(choice, spec.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
     if spec.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # DeepSeek-V3 and GLM-4.5 guard the sum of sigmoid scores with 1e-20; softmax
+        # routers divide by the bare sum. Mirrored so that rounding matches each.
+        eps = 1e-20 if spec.router_scoring == "sigmoid" else 0.0
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
     if not spec.router_weights_fp32:
         weights = weights.to(h.dtype)
     return weights, experts
+
+
+def limit_to_top_groups(scores: torch.Tensor, n_group: int, topk_group: int,
+                        group_score: str) -> torch.Tensor:
+    """scores [T, E] with the experts outside each row's `topk_group` best groups set to -inf.
+
+    The E experts form n_group consecutive groups; a group scores the sum of its two best
+    scores ("top2_sum": DeepSeek-V3 and GLM-4.5's noaux_tc) or its best one ("max":
+    DeepSeek-V2's group_limited_greedy). V2 fills the excluded experts' softmax scores with 0
+    rather than -inf: the same choice, since top_k fits in the kept groups and a softmax
+    score is positive.
+    """
+    t, e = scores.shape
+    grouped = scores.view(t, n_group, e // n_group)
+    if group_score == "top2_sum":
+        per_group = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    elif group_score == "max":
+        per_group = grouped.max(dim=-1).values
+    else:
+        raise ValueError(f"unknown group score {group_score!r}; expected top2_sum or max")
+    best = torch.topk(per_group, topk_group, dim=-1).indices
+    keep = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 def swiglu(mlp: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
@@ -164,13 +223,16 @@ def ffn_output(dense: DenseLayerWeights, h: torch.Tensor,
                routed: Optional[torch.Tensor]) -> torch.Tensor:
     """A layer's FFN output from its routed part and the part held with its dense weights.
 
-    A dense layer (routed None) runs its MLP; a MoE layer adds its shared expert, scaled by
-    sigmoid(shared_expert_gate(h)), to the routed sum when it has one (Qwen2-MoE).
+    A dense layer (routed None) runs its MLP; a MoE layer adds its shared expert to the routed
+    sum when it has one, scaled by sigmoid(shared_expert_gate(h)) where it is gated
+    (Qwen2-MoE), unscaled where it is not (GLM-4.5's shared experts).
     """
     if routed is None:
         return swiglu(dense.mlp, h)
     if dense.shared_expert is None:
         return routed
+    if dense.shared_expert_gate is None:
+        return routed + swiglu(dense.shared_expert, h)
     gate = linear(h, dense.shared_expert_gate, activation="sigmoid")
     return routed + gate * swiglu(dense.shared_expert, h)
 

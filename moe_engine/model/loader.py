@@ -53,9 +53,15 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 m = table.match(name)
-                if m is None or (not experts and m.scope in ("expert", "fused")):
+                # Layers past the last decoder layer are GLM-4.5's multi-token-prediction
+                # module, which generation does not run: never read them. Without experts,
+                # the disk tier reads those itself.
+                if m is None or (m.layer is not None and m.layer >= spec.num_layers) or \
+                        (not experts and m.scope in ("expert", "fused")):
                     continue
-                t = f.get_tensor(name).to(dtype)
+                # transformers keeps the score-correction bias in fp32 in every dtype.
+                t = f.get_tensor(name).to(torch.float32 if m.slot == "score_correction_bias"
+                                          else dtype)
                 if m.scope == "global":
                     glob[m.slot] = t
                 elif m.scope == "layer":
@@ -101,8 +107,12 @@ def _required_slots(spec: ModelSpec, layer: int) -> set[str]:
     if not spec.is_moe_layer(layer):
         return need | {"mlp_w1", "mlp_w2", "mlp_w3"}
     need.add("router")
+    if spec.router_score_correction:
+        need.add("score_correction_bias")
     if spec.shared_expert_intermediate_size:
-        need |= {"shared_w1", "shared_w2", "shared_w3", "shared_expert_gate"}
+        need |= {"shared_w1", "shared_w2", "shared_w3"}
+    if spec.shared_expert_gate:
+        need.add("shared_expert_gate")
     return need
 
 
@@ -113,18 +123,26 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         raise ValueError(f"{model_dir}: layer {i} lacks {sorted(missing)}")
     moe = spec.is_moe_layer(i)
     shared = moe and spec.shared_expert_intermediate_size > 0
+    gated = shared and spec.shared_expert_gate
+    router = None
+    if moe:
+        # Upcast once here rather than per step where the router GEMM runs in fp32 (the
+        # weight is first rounded to the model dtype, as transformers loads it).
+        router = (d["router"].float() if spec.router_logits_fp32 else d["router"]).contiguous()
     return DenseLayerWeights(
         input_norm=d["input_norm"], post_norm=d["post_norm"],
         wqkv=torch.cat([d["q"], d["k"], d["v"]], dim=0).contiguous(),
         wo=d["o"].contiguous(),
-        router=d["router"].contiguous() if moe else None,
+        router=router,
         bqkv=torch.cat([d["q_bias"], d["k_bias"], d["v_bias"]]) if spec.qkv_bias else None,
         bo=d["o_bias"] if spec.o_bias else None,
         q_norm=d["q_norm"] if spec.qk_norm else None,
         k_norm=d["k_norm"] if spec.qk_norm else None,
         mlp=None if moe else _swiglu(d, "mlp_"),
         shared_expert=_swiglu(d, "shared_") if shared else None,
-        shared_expert_gate=d["shared_expert_gate"].contiguous() if shared else None)
+        shared_expert_gate=d["shared_expert_gate"].contiguous() if gated else None,
+        score_correction_bias=(d["score_correction_bias"].contiguous()
+                               if moe and spec.router_score_correction else None))
 
 
 def _swiglu(d: dict[str, torch.Tensor], prefix: str = "") -> ExpertWeights:

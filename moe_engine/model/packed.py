@@ -203,7 +203,9 @@ def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> Mode
             q_norm=small(d.q_norm) if d.q_norm is not None else None,
             k_norm=small(d.k_norm) if d.k_norm is not None else None,
             mlp=mlp(d.mlp), shared_expert=mlp(d.shared_expert),
-            shared_expert_gate=fp32(d.shared_expert_gate))
+            shared_expert_gate=fp32(d.shared_expert_gate),
+            score_correction_bias=(small(d.score_correction_bias)
+                                   if d.score_correction_bias is not None else None))
         layers.append(LayerWeights(dense, [pack_expert(x.w13, x.w2, expert_storage)
                                            if x is not None else None  # on disk
                                            for x in layer.experts]))

@@ -70,11 +70,18 @@ def dtype_bytes_of(dtype: str) -> int:
     return DTYPE_BYTES[key]
 
 
-def is_sparse_layer(layer: int, decoder_sparse_step: int = 1, mlp_only_layers: Sequence[int] = ()) -> bool:
-    """Qwen-MoE's rule: layer i has routed experts iff it is not in mlp_only_layers and
-    (i + 1) % decoder_sparse_step == 0 (architectures without these keys: every layer)."""
+def is_sparse_layer(layer: int, decoder_sparse_step: int = 1, mlp_only_layers: Sequence[int] = (),
+                    first_k_dense_replace: int = 0) -> bool:
+    """Whether layer i has routed experts. Qwen-MoE's rule: i is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0; GLM-4.5's: i >= first_k_dense_replace (architectures
+    without these keys: every layer)."""
     step = max(1, int(decoder_sparse_step or 1))
-    return layer not in mlp_only_layers and (layer + 1) % step == 0
+    return (layer not in mlp_only_layers and (layer + 1) % step == 0
+            and layer >= int(first_k_dense_replace or 0))
+
+
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
 
 
 @dataclass(frozen=True)
@@ -118,12 +125,47 @@ class ModelSpec:
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(h -> 1) gate on the shared expert
     dense_intermediate_size: int = 0  # MLP width of the dense layers
     dense_layers: tuple[int, ...] = ()  # layers whose FFN is a dense MLP, not experts
+    # RoPE rotates the first int(head_dim * partial_rotary_factor) dims of each head (GLM-4.5).
+    partial_rotary_factor: float = 1.0
+    # The router (layers.route): scores are softmax or sigmoid of the router logits, computed
+    # in fp32 from fp32 logits when router_logits_fp32. With a score-correction bias
+    # (e_score_correction_bias) the bias is added to the scores for choosing experts only.
+    # router_groups > 1: experts form that many equal groups, each scored by the sum of its
+    # two best scores ("top2_sum", DeepSeek-V3 / GLM-4.5) or its best one ("max", DeepSeek-V2's
+    # group_limited_greedy), and only the router_topk_groups best groups may be chosen.
+    # The chosen experts' weights are scaled by routed_scaling_factor after normalising.
+    router_scoring: str = "softmax"
+    router_logits_fp32: bool = False
+    router_score_correction: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: str = "top2_sum"
+    routed_scaling_factor: float = 1.0
     mla: Optional[MlaSpec] = None
     name: str = ""
 
     def __post_init__(self) -> None:
         if not (1 <= self.top_k <= self.num_experts):
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router scoring {self.router_scoring!r}: expected one of {ROUTER_SCORINGS}")
+        if self.router_group_score not in GROUP_SCORES:
+            raise ValueError(f"group score {self.router_group_score!r}: expected one of {GROUP_SCORES}")
+        groups, chosen = self.router_groups, self.router_topk_groups
+        if groups < 1 or self.num_experts % groups:
+            raise ValueError(f"n_group={groups} must divide n_routed_experts={self.num_experts}")
+        if not 1 <= chosen <= groups:
+            raise ValueError(f"topk_group={chosen} must be in [1, n_group={groups}]")
+        per_group = self.num_experts // groups
+        if chosen * per_group < self.top_k:
+            raise ValueError(f"topk_group={chosen} groups of {per_group} experts hold fewer than "
+                             f"num_experts_per_tok={self.top_k}")
+        if groups > 1 and self.router_group_score == "top2_sum" and per_group < 2:
+            raise ValueError(f"n_group={groups}: a group scored by its two best experts needs "
+                             "at least two experts")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an "
+                             f"even number of the head's {self.head_dim} dims")
 
     @property
     def q_size(self) -> int:
@@ -136,6 +178,11 @@ class ModelSpec:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (the first ones), as transformers rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -197,7 +244,10 @@ class ModelSpec:
 
     @property
     def router_params(self) -> int:
-        return self.hidden_size * self.num_experts
+        """Router weight, plus its score-correction bias where it has one (stored in fp32 by the
+        checkpoints, counted at the model's width here: E values per layer)."""
+        bias = self.num_experts if self.router_score_correction else 0
+        return self.hidden_size * self.num_experts + bias
 
     @property
     def shared_params(self) -> int:
@@ -229,6 +279,15 @@ class ModelSpec:
     def embedding_bytes(self) -> int:
         tables = 1 if self.tie_word_embeddings else 2
         return (tables * self.vocab_size * self.hidden_size + self.hidden_size) * self.dtype_bytes
+
+    @property
+    def active_params(self) -> int:
+        """Decoder-layer weights one token uses (embeddings and LM head left out, as model cards
+        count "activated" parameters): every dense layer, and per MoE layer all but the
+        routed experts it is not sent to."""
+        moe = self.dense_params_per_layer + self.top_k * self.expert_params
+        dense = self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size
+        return self.num_moe_layers * moe + self.num_dense_layers * dense
 
     @property
     def layers_bytes(self) -> int:
@@ -374,8 +433,13 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
     own = arch.own_config(dict(cfg))
     heads = common["num_heads"]
     num_layers = common["num_layers"]
-    shared = int(own.get("shared_expert_intermediate_size") or 0)
+    # Qwen2-MoE gives the shared expert's width; DeepSeek-style configs (GLM-4.5) a count of
+    # expert-wide shared experts, which transformers runs as one MLP of their summed width.
+    shared = int(own.get("shared_expert_intermediate_size")
+                 or int(own.get("n_shared_experts") or 0) * common["intermediate_size"])
     step, mlp_only = own.get("decoder_sparse_step") or 1, tuple(own.get("mlp_only_layers") or ())
+    first_dense = int(own.get("first_k_dense_replace") or 0)
+    sparse = [is_sparse_layer(i, step, mlp_only, first_dense) for i in range(num_layers)]
     return ModelSpec(
         architecture=arch_name,
         **common,
@@ -384,17 +448,34 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         # At least max_position_embeddings when set (shorter windows are refused above).
         sliding_window=sliding_window(cfg, arch.model_type)[1],
         # Qwen2-MoE switches q/k/v biases with qkv_bias; Qwen3 and OLMoE switch q/k/v/o biases
-        # with attention_bias.
+        # with attention_bias, GLM-4.5 q/k/v only.
         qkv_bias=bool(own.get("qkv_bias", own.get("attention_bias", False))),
-        o_bias=bool(own.get("attention_bias", False)),
-        qk_norm=arch.qk_norm,
+        o_bias=arch.o_bias and bool(own.get("attention_bias", False)),
+        qk_norm=arch.qk_norm if own.get("use_qk_norm", True) else None,
         clip_qkv=None if own.get("clip_qkv") is None else float(own["clip_qkv"]),
         norm_topk_prob=bool(own["norm_topk_prob"]),
         router_weights_fp32=arch.router_weights_fp32,
         shared_expert_intermediate_size=shared,
-        shared_expert_gate=shared > 0,  # only Qwen2-MoE reads a shared expert, and it is gated
-        dense_layers=tuple(i for i in range(num_layers) if not is_sparse_layer(i, step, mlp_only)),
+        shared_expert_gate=arch.shared_expert_gate and shared > 0,
+        dense_layers=tuple(i for i in range(num_layers) if not sparse[i]),
+        partial_rotary_factor=_partial_rotary_factor(cfg, own),
+        router_scoring=arch.router_scoring,
+        router_logits_fp32=arch.router_logits_fp32,
+        router_score_correction=bool(own.get("e_score_correction_bias", False)),
+        router_groups=int(own.get("n_group") or 1),
+        router_topk_groups=int(own.get("topk_group") or 1),
+        router_group_score=str(own.get("group_score", "top2_sum")),
+        routed_scaling_factor=float(own.get("routed_scaling_factor", 1.0)),
     )
+
+
+def _partial_rotary_factor(cfg: Mapping[str, Any], own: Mapping[str, Any]) -> float:
+    """transformers' order: rope_parameters' partial_rotary_factor, else the top-level key,
+    else the architecture's default (own_config filled it: 0.5 for GLM-4.5; architectures that
+    do not read the key rotate whole heads and config_audit refuses another value)."""
+    _, params = rope_parameters(cfg)
+    factor = params.get("partial_rotary_factor", own.get("partial_rotary_factor"))
+    return float(factor) if factor is not None else 1.0
 
 
 def load_spec(model_dir: str | Path, dtype: Optional[str] = None) -> ModelSpec:

@@ -54,7 +54,9 @@ class DenseLayerWeights:
     k_norm: Optional[torch.Tensor] = None
     mlp: Optional[ExpertWeights] = None  # the FFN of a dense layer
     shared_expert: Optional[ExpertWeights] = None
-    shared_expert_gate: Optional[torch.Tensor] = None  # [1, H]
+    shared_expert_gate: Optional[torch.Tensor] = None  # [1, H]; None: an ungated shared expert
+    # [E] fp32 (GLM-4.5's e_score_correction_bias, which transformers keeps in fp32 too)
+    score_correction_bias: Optional[torch.Tensor] = None
 
     @property
     def holds_ffn(self) -> bool:

@@ -199,7 +199,8 @@ def expert_tensors(model_dir: str | Path, spec: ModelSpec
     for path in safetensors_files(Path(model_dir)):
         for name, ref in safetensors_header(path).items():
             m = table.match(name)
-            if m is None or m.scope not in ("expert", "fused"):
+            # Layers past the last are a multi-token-prediction module generation never runs.
+            if m is None or m.scope not in ("expert", "fused") or m.layer >= spec.num_layers:
                 continue
             if m.scope == "expert":
                 out.setdefault((m.layer, m.expert), {})[m.slot] = ref

@@ -43,6 +43,27 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "vocab_size": 102400, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
+    # GLM-4.5 and GLM-4.5-Air (zai-org's config.json). Both checkpoints also hold one
+    # multi-token-prediction layer (num_nextn_predict_layers: 1) that generation does not run;
+    # it is not a decoder layer here, and the published 355B/32B and 106B/12B leave it out too.
+    "glm-4.5": {
+        "model_type": "glm4_moe", "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 92, "first_k_dense_replace": 3, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "n_routed_experts": 160, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
+        "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "attention_bias": True,
+        "use_qk_norm": True, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 131072, "rope_theta": 1000000, "vocab_size": 151552,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "glm-4.5-air": {
+        "model_type": "glm4_moe", "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46, "first_k_dense_replace": 1, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1,
+        "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "attention_bias": True,
+        "use_qk_norm": False, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 131072, "rope_theta": 1000000, "vocab_size": 151552,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
 }
 
 

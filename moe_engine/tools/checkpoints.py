@@ -49,7 +49,7 @@ def _attention_shapes(p: MoePreset, pre: str) -> list[tuple[str, tuple[int, ...]
         shapes.append((f"{pre}.self_attn.{proj}_proj.weight", (out, inp), kind))
         if p.attention_bias and proj in fam.biased:
             shapes.append((f"{pre}.self_attn.{proj}_proj.bias", (out,), "bias"))
-    if fam.qk_norm is not None:
+    if fam.qk_norm is not None and p.qk_norm:
         per_head = fam.qk_norm == "head"
         shapes += [(f"{pre}.self_attn.q_norm.weight", (d if per_head else q,), "norm"),
                    (f"{pre}.self_attn.k_norm.weight", (d if per_head else kv,), "norm")]
@@ -71,13 +71,17 @@ def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
             continue
         block = f"{pre}.{fam.moe_block}"
         shapes.append((f"{block}.gate.weight", (p.num_experts, h), "router"))
+        if fam.score_correction:
+            shapes.append((f"{block}.gate.e_score_correction_bias", (p.num_experts,),
+                           "score_bias"))
         for e in range(p.num_experts):
             shapes += _swiglu_shapes(f"{block}.experts.{e}", fam.expert_names, h,
                                      p.intermediate_size)
         if p.shared_expert_intermediate_size:
-            shapes += _swiglu_shapes(f"{block}.shared_expert", LLAMA_MLP, h,
+            shapes += _swiglu_shapes(f"{block}.{fam.shared_block}", LLAMA_MLP, h,
                                      p.shared_expert_intermediate_size)
-            shapes.append((f"{block}.shared_expert_gate.weight", (1, h), "linear"))
+            if fam.shared_gate:
+                shapes.append((f"{block}.shared_expert_gate.weight", (1, h), "linear"))
     shapes += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (p.vocab_size, h), "lm_head")]
     return shapes
 
@@ -101,6 +105,10 @@ def _init_tensor(kind: str, shape: tuple[int, ...], p: MoePreset, g: torch.Gener
         t = 0.2 * torch.randn(shape, generator=g)
     elif kind == "router":
         t = 2.0 * torch.randn(shape, generator=g) / math.sqrt(fan_in)
+    elif kind == "score_bias":
+        # Of the size of the spread of the sigmoid scores, so the bias changes which experts
+        # and groups are chosen (a zero bias would leave that path untested).
+        t = 0.2 * torch.randn(shape, generator=g)
     elif kind == "lm_head":
         t = 4.0 * torch.randn(shape, generator=g) / math.sqrt(fan_in)
     else:
@@ -121,7 +129,9 @@ def generate_state_dict(preset: MoePreset, seed: int, text_vocab: int) -> dict[s
         raise ValueError(f"tokenizer has {text_vocab} tokens, more than vocab_size {preset.vocab_size}")
     g = torch.Generator().manual_seed(seed)
     dtype = _DTYPES[preset.dtype]
-    return {name: _init_tensor(kind, shape, preset, g, text_vocab).to(dtype).contiguous()
+    # The score-correction bias is fp32 in every dtype, as the hub's GLM-4.5/DeepSeek-V3 store it.
+    return {name: _init_tensor(kind, shape, preset, g, text_vocab)
+            .to(torch.float32 if kind == "score_bias" else dtype).contiguous()
             for name, shape, kind in _tensor_shapes(preset)}
 
 

@@ -42,10 +42,16 @@ class MoePreset:
     attention_bias: bool = False
     norm_topk_prob: bool = False
     clip_qkv: Optional[float] = None
-    shared_expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # GLM-4.5: n_shared_experts x intermediate_size
     dense_intermediate_size: int = 0  # MLP width of the dense layers
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    first_k_dense_replace: int = 0
+    qk_norm: bool = True  # GLM-4.5's use_qk_norm (the other families' q/k norm is fixed)
+    partial_rotary_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -57,7 +63,8 @@ class MoePreset:
 
     def is_moe_layer(self, layer: int) -> bool:
         # The rule the engine reads back from the written config.json (one definition).
-        return is_sparse_layer(layer, self.decoder_sparse_step, self.mlp_only_layers)
+        return is_sparse_layer(layer, self.decoder_sparse_step, self.mlp_only_layers,
+                               self.first_k_dense_replace)
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,9 @@ class Family:
     """How the hub's checkpoints of an architecture are written: model_type, the module holding
     router and experts, expert projection names (gate, down, up), the config key switching the
     attention biases and the projections it covers, the q/k norm ("head": one per head,
-    "projection": over the whole projection) and the architecture's own config keys."""
+    "projection": over the whole projection) and the architecture's own config keys; the
+    shared expert's module name and whether it has a sigmoid gate, and whether the router has
+    an e_score_correction_bias."""
 
     model_type: str
     moe_block: str
@@ -74,6 +83,9 @@ class Family:
     biased: str
     qk_norm: Optional[str]
     config_keys: Callable[[MoePreset], dict[str, Any]]
+    shared_block: str = "shared_expert"
+    shared_gate: bool = True
+    score_correction: bool = False
 
 
 def _mixtral_keys(p: MoePreset) -> dict[str, Any]:
@@ -99,6 +111,20 @@ def _olmoe_keys(p: MoePreset) -> dict[str, Any]:
             "router_aux_loss_coef": 0.01}
 
 
+def _glm4_moe_keys(p: MoePreset) -> dict[str, Any]:
+    if p.shared_expert_intermediate_size % p.intermediate_size:
+        raise ValueError("GLM-4.5's shared experts are a whole number of routed experts wide")
+    # num_nextn_predict_layers 0: the built checkpoint has no multi-token-prediction layer
+    # (the hub's have one, which generation does not run).
+    return {"intermediate_size": p.dense_intermediate_size,
+            "moe_intermediate_size": p.intermediate_size, "n_routed_experts": p.num_experts,
+            "n_shared_experts": p.shared_expert_intermediate_size // p.intermediate_size,
+            "first_k_dense_replace": p.first_k_dense_replace, "n_group": p.n_group,
+            "topk_group": p.topk_group, "routed_scaling_factor": p.routed_scaling_factor,
+            "norm_topk_prob": p.norm_topk_prob, "use_qk_norm": p.qk_norm,
+            "partial_rotary_factor": p.partial_rotary_factor, "num_nextn_predict_layers": 0}
+
+
 LLAMA_MLP = ("gate_proj", "down_proj", "up_proj")
 FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(
@@ -114,6 +140,10 @@ FAMILIES: dict[str, Family] = {
         model_type="olmoe", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="qkvo", qk_norm="projection",
         config_keys=_olmoe_keys),
+    "Glm4MoeForCausalLM": Family(
+        model_type="glm4_moe", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="qkv", qk_norm="head", config_keys=_glm4_moe_keys,
+        shared_block="shared_experts", shared_gate=False, score_correction=True),
 }
 
 PRESETS: dict[str, MoePreset] = {
@@ -150,6 +180,17 @@ PRESETS: dict[str, MoePreset] = {
         "OlmoeForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, num_experts=64, num_experts_per_tok=8,
         vocab_size=8192, tokenizer_vocab_size=8192, rope_theta=10000.0, norm_topk_prob=False),
+    # GLM-4.5's features: a dense first layer, q/k/v biases, per-head q/k RMSNorm, RoPE on half
+    # of each head, a sigmoid router whose random e_score_correction_bias changes the choice,
+    # 16 experts in 4 groups of which the best 2 may be chosen, top-4 renormalised weights
+    # scaled by 2.5 (GLM-4.5's routed_scaling_factor), one ungated shared expert. ~5 MB.
+    "tiny-glm4-moe": MoePreset(
+        "Glm4MoeForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
+        vocab_size=8192, tokenizer_vocab_size=8192, explicit_head_dim=32, attention_bias=True,
+        norm_topk_prob=True, shared_expert_intermediate_size=32, dense_intermediate_size=176,
+        first_k_dense_replace=1, partial_rotary_factor=0.5, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5),
 }
 
 
