@@ -10,7 +10,7 @@ from typing import Optional
 
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.model.attention import DecodeAttention
-from moe_engine.offload.backend import make_backend
+from moe_engine.offload.backend import Backend, make_backend
 from moe_engine.offload.pager import WeightPager
 from moe_engine.offload.pipeline import OffloadPipeline
 from moe_engine.offload.placement import (ExpertLatencyProfile, ExpertPlacer, LatencyCurve,
@@ -63,15 +63,18 @@ _NEVER_ON_CPU = 1e9
 def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                            routing: Optional[RoutingProfile] = None,
                            latency: Optional[ExpertLatencyProfile] = None,
-                           trace: Optional[Trace] = None) -> OffloadPipeline:
+                           trace: Optional[Trace] = None,
+                           backend: Optional[Backend] = None) -> OffloadPipeline:
     """Wrap `runner` (its weights moved behind a pager) into an OffloadPipeline.
 
     Residency follows `routing`; without one it follows expert index (with a warning when
     experts are streamed). The expert latency profile is measured on this backend unless given
-    (or not needed: r_w 1).
+    (or not needed: r_w 1). `backend` replaces the one `settings` names (tests pass the
+    asynchronous CPU test backend, which the configuration does not offer).
     """
     spec = runner.spec
-    backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
+    if backend is None:
+        backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
     if routing is None:
         if settings.resident_ratio < 1.0:
             log.warning("no routing profile for this model: resident experts chosen by index; "
@@ -88,7 +91,7 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                         packet_bytes=settings.packet_bytes,
                         budget_bytes=settings.device_memory_bytes)
     runner.weights = pager.device_weights
-    if backend.name != "cpu":
+    if not backend.device_is_host:
         _place_runner_state(runner, backend, pager, settings.attention_on_device)
     return OffloadPipeline(runner, pager, ExpertPlacer(latency, settings.ffn_on_device),
                            attention_on_device=settings.attention_on_device,

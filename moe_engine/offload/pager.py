@@ -7,7 +7,10 @@ Layout (Lightning A.1, MoE-Lens 6.5):
 - The other experts of a layer are packed contiguously in a host store (pinned on CUDA), most
   used first, and stream into a device page ring of two layer slots (2x the streamed part of
   one layer): consecutive layers alternate slots, so layer i+1's pages land while layer i
-  computes, and a slot is refilled only after its layer was released.
+  computes, and a slot is refilled only after its layer was released. Release records an
+  event on the compute stream after the slot's last reader; every copy into the slot after
+  that waits for it on the device side (the host does not block), so a refill never
+  overwrites pages that kernels launched earlier still read.
 - Each expert moves as packets of at most `packet_bytes`, queued hot-first, so activation
   copies never wait behind a whole layer and `wait(layer, expert)` blocks only for the packets
   of the expert needed now.
@@ -23,7 +26,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from moe_engine.offload.backend import Backend, CopyHandle
+from moe_engine.offload.backend import Backend, ComputeEvent, CopyHandle
 from moe_engine.model.weights import ExpertWeights, LayerWeights, ModelWeights
 from moe_engine.offload.routing import RoutingProfile
 
@@ -70,7 +73,13 @@ class _Slot:
     handles: dict[int, list[CopyHandle]] = field(default_factory=dict)
     issue_seq: dict[int, int] = field(default_factory=dict)
     draining: list[CopyHandle] = field(default_factory=list)  # started, then cancelled
+    # Experts the compute stream was ordered after (`wait`): launched work reads their pages,
+    # so their packets are never cancelled, even once the layer is released.
+    waited: set[int] = field(default_factory=set)
     released_at: int = -1  # release counter value, to reuse the older free slot first
+    # Compute-stream point after the last reader of the previous occupant: copies into the
+    # slot wait for it (None: never read yet).
+    free_after: Optional[ComputeEvent] = None
 
 
 class WeightPager:
@@ -240,16 +249,18 @@ class WeightPager:
                                f"prefetching layer {layer}")
         slot = min(free, key=lambda s: s.released_at)
         # Packets of the previous occupant still queued are dropped; one already in the link
-        # must land before its bytes are overwritten.
-        for handles in slot.handles.values():
+        # must land before its bytes are overwritten (copy after copy: this host wait is for
+        # at most one packet). Compute still reading the slot is waited for by the copies
+        # themselves (`free_after`), not here.
+        for e, handles in slot.handles.items():
             for h in handles:
-                if h.cancel():
+                if e not in slot.waited and h.cancel():
                     self.stats.bytes_cancelled += h.nbytes
                 else:
                     slot.draining.append(h)
         for h in slot.draining:
             h.settle()
-        slot.handles, slot.issue_seq, slot.draining = {}, {}, []
+        slot.handles, slot.issue_seq, slot.draining, slot.waited = {}, {}, [], set()
         slot.layer, slot.released = layer, False
         return slot
 
@@ -262,7 +273,7 @@ class WeightPager:
             end = min(start + self.packet_numel, self.expert_numel)
             handles.append(self.backend.copy_async(
                 slot.flat[base + start:base + end], src[base + start:base + end],
-                label=f"L{layer} E{expert} p{k}"))
+                label=f"L{layer} E{expert} p{k}", after=slot.free_after))
         slot.handles[expert] = handles
         slot.issue_seq[expert] = self._seq
         self._seq += 1
@@ -279,15 +290,17 @@ class WeightPager:
             self.prefetch(layer, [expert])
             slot = self._slot_of(layer)
         t0 = time.perf_counter()
+        slot.waited.add(expert)
         for h in slot.handles[expert]:
             self.backend.compute_after(h)
         self.stats.wait_s += time.perf_counter() - t0
         return self._view(slot.flat, self._position[layer][expert])
 
     def cancel(self, layer: int, expert: int) -> None:
-        """Drop the expert's queued packets (it will run on the CPU instead)."""
+        """Drop the expert's queued packets (it will run on the CPU instead), unless launched
+        work already waits for them."""
         slot = self._slot_of(layer)
-        if slot is None or expert not in slot.handles:
+        if slot is None or expert not in slot.handles or expert in slot.waited:
             return
         for h in slot.handles.pop(expert):
             if h.cancel():
@@ -297,15 +310,18 @@ class WeightPager:
         slot.issue_seq.pop(expert, None)
 
     def release(self, layer: int) -> None:
-        """The layer's compute is done: its ring slot may be refilled."""
+        """The layer's compute has been launched: its ring slot may be refilled once the compute
+        stream has run it (call it after the slot's last reader was launched)."""
         slot = self._slot_of(layer)
         if slot is not None:
+            slot.free_after = self.backend.record_compute_event()
             slot.released = True
             self._releases += 1
             slot.released_at = self._releases
 
     def cancel_all(self) -> None:
-        """Drop every queued packet (end of a run) and wait for the ones in the link."""
+        """Drop every queued packet (end of a run, or a failed step after its device work was
+        waited for: no launched work may still wait for pages) and wait for those in the link."""
         for slot in self._slots:
             for handles in slot.handles.values():
                 for h in handles:
@@ -313,5 +329,7 @@ class WeightPager:
                         h.settle()
             for h in slot.draining:
                 h.settle()
-            slot.handles, slot.issue_seq, slot.draining = {}, {}, []
+            slot.handles, slot.issue_seq, slot.draining, slot.waited = {}, {}, [], set()
+            if not slot.released:  # dropped without a release: its readers may still run
+                slot.free_after = self.backend.record_compute_event()
             slot.layer, slot.released = None, True

@@ -135,7 +135,7 @@ def measure_expert_profile(backend, w13: torch.Tensor, w2: torch.Tensor,
     host = ExpertWeights(w13.contiguous(), w2.contiguous())
     # Packed experts (the CPU kernels) take fp32 activations whatever their storage.
     act_dtype = torch.float32 if is_packed(host) else host.w13.dtype
-    same_silicon = backend.name == "cpu"
+    same_silicon = backend.device_is_host
     dev = host if same_silicon else ExpertWeights(backend.to_device(host.w13),
                                                   backend.to_device(host.w2))
     hidden = host.w13.shape[1]
