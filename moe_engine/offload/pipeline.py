@@ -114,6 +114,7 @@ class OffloadPipeline:
     def close(self) -> None:
         """Stop the CPU worker and drop queued pages (the pager's copy worker stays up)."""
         self._cpu.shutdown(wait=True)
+        self.backend.host_sync()  # no launched work may still read the slots cancel_all frees
         self.pager.cancel_all()
 
     def forward(self, batches: list[MicroBatchInput]) -> torch.Tensor:
