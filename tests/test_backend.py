@@ -274,6 +274,14 @@ def test_async_error_in_launched_work_surfaces_at_the_next_host_sync_once(async_
     assert ran == ["after"]
 
 
+def test_async_backend_refuses_work_once_closed():
+    b = AsyncCpuBackend(seed=0)
+    b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.host_sync()  # would otherwise wait forever for an event nobody sets
+    b.close()  # idempotent
+
+
 @pytest.mark.gpu
 def test_cuda_copy_after_a_compute_event_waits_for_kernels_still_reading():
     """A kernel queued behind a long one reads a buffer; a copy into it issued with the event

@@ -12,6 +12,7 @@ from moe_engine.engine.request import Request, SamplingParams
 from moe_engine.offload.async_cpu import AsyncCpuBackend
 from moe_engine.offload.backend import CompletedEvent
 from moe_engine.offload.build import OffloadSettings, build_offload_pipeline
+from moe_engine.offload.pipeline import OffloadStats
 from moe_engine.offload.routing import find_profile
 
 NEW_TOKENS = 10
@@ -42,20 +43,25 @@ def _plain(model_dir) -> dict[str, list[int]]:
     return _generate(LLMEngine(model_dir, CONFIG, dtype="float32"))
 
 
-def _async_tokens(model_dir, backend: AsyncCpuBackend, **settings) -> dict[str, list[int]]:
-    # cpu_experts=False: every non-resident expert crosses the link into the ring.
+def _async_run(model_dir, backend: AsyncCpuBackend,
+               **settings) -> tuple[dict[str, list[int]], OffloadStats]:
+    # cpu_experts=False unless asked: every non-resident expert crosses the link into the ring.
+    settings = dict(dict(cpu_experts=False, packet_bytes=100_000), **settings)
     engine = LLMEngine(model_dir, CONFIG, dtype="float32")
-    engine.runner = build_offload_pipeline(
-        engine.runner, OffloadSettings(cpu_experts=False, packet_bytes=100_000, **settings),
-        routing=find_profile(model_dir), backend=backend)
+    engine.runner = build_offload_pipeline(engine.runner, OffloadSettings(**settings),
+                                           routing=find_profile(model_dir), backend=backend)
     try:
-        tokens = _generate(engine)
-        if settings.get("resident_ratio", 1.0) < 1.0:
-            assert engine.runner.totals.bytes_moved > 0
-        return tokens
+        return _generate(engine), engine.runner.totals
     finally:
         engine.runner.close()
         backend.close()
+
+
+def _async_tokens(model_dir, backend: AsyncCpuBackend, **settings) -> dict[str, list[int]]:
+    tokens, totals = _async_run(model_dir, backend, **settings)
+    if settings.get("resident_ratio", 1.0) < 1.0:
+        assert totals.bytes_moved > 0
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +100,17 @@ def test_async_device_per_micro_batch_grouping_and_cpu_attention(tiny_three_laye
     backend = AsyncCpuBackend(seed=3)
     assert _async_tokens(tiny_three_layer_dir, backend, resident_ratio=0.0,
                          group_ffn="micro_batch") == three_layer_reference
+
+
+def test_async_device_with_streamed_experts_run_on_the_cpu(tiny_three_layer_dir,
+                                                           three_layer_reference):
+    # Twiddler's rule on a CPU "device" puts every streamed expert on the CPU worker; their
+    # outputs join the device sum through launched work, in stream order.
+    backend = AsyncCpuBackend(seed=5)
+    tokens, totals = _async_run(tiny_three_layer_dir, backend, resident_ratio=0.25,
+                                cpu_experts=True, attention_on_device=True)
+    assert tokens == three_layer_reference
+    assert totals.experts_on_cpu > 0
 
 
 @pytest.mark.parametrize("attention_on_device", [False, True])

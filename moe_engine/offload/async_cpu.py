@@ -62,18 +62,25 @@ class _ComputeStream:
         self._max_delay_s = max_delay_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: Optional[BaseException] = None
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def _put(self, item: tuple) -> None:
+        # After stop nothing would ever run it: an event recorded now would never be reached.
+        if self._stopped:
+            raise RuntimeError("the compute stream is closed")
+        self._queue.put(item)
+
     def run(self, fn: Callable[..., object], args: tuple) -> None:
-        self._queue.put(("run", fn, args))
+        self._put(("run", fn, args))
 
     def wait_for(self, handle: CopyHandle) -> None:
-        self._queue.put(("wait", handle))
+        self._put(("wait", handle))
 
     def record(self) -> StreamEvent:
         event = StreamEvent()
-        self._queue.put(("event", event))
+        self._put(("event", event))
         return event
 
     def take_error(self) -> Optional[BaseException]:
@@ -83,6 +90,9 @@ class _ComputeStream:
         return error
 
     def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         self._queue.put((self._STOP,))
         self._thread.join(timeout=30)
 
