@@ -63,3 +63,20 @@ def tiny_mixtral_sharded_dir(tmp_path_factory) -> Path:
 
     return build_checkpoint("tiny-mixtral", tmp_path_factory.mktemp("models") / "tiny-sharded",
                             seed=0, num_shards=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_three_layer_dir(tmp_path_factory) -> Path:
+    """tiny-mixtral with 3 layers. With more layers than the page ring's two slots (and an odd
+    count) a slot holds a different layer on each visit, so pages read at the wrong time give
+    wrong numbers (with two layers a slot always gets the same layer's bytes back), and a failed
+    step can leave both slots claimed."""
+    import dataclasses
+
+    import moe_engine.tools.checkpoints as ck
+
+    preset = dataclasses.replace(ck.PRESETS["tiny-mixtral"], num_hidden_layers=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ck.PRESETS, "tiny-mixtral-3l", preset)
+        return ck.build_checkpoint("tiny-mixtral-3l", tmp_path_factory.mktemp("models") / "t3",
+                                   seed=0)

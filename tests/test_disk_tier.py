@@ -8,6 +8,7 @@ import json
 import os
 import struct
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,26 @@ CONFIG = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
 def _private_cache(tmp_path_factory, monkeypatch):
     # Expert files and routing profiles of this module stay out of the user's cache.
     monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(builtin_dir, tmp_path_factory):
+    """model_dirs(preset): the built-in checkpoint's files linked into a directory of this
+    module, so the routing profiles its disk-tier runs record stay out of the session's shared
+    checkpoints (other tests assert that a fresh checkpoint has none)."""
+    made: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in made:
+            out = tmp_path_factory.mktemp("disk") / preset
+            out.mkdir()
+            for f in builtin_dir(preset).iterdir():
+                if f.name != "routing_profile.json":
+                    (out / f.name).symlink_to(f)
+            made[preset] = out
+        return made[preset]
+
+    return get
 
 
 def _tokens(model_dir, config: EngineConfig, dtype: str = "float32") -> dict[str, list[int]]:
@@ -115,8 +136,8 @@ def test_corrupt_or_truncated_safetensors_headers_fail_naming_the_file(tmp_path)
 # ---------------------------------------------------------------- sources and the ring
 
 @pytest.fixture(scope="module")
-def mixtral_dir(builtin_dir):
-    return builtin_dir("tiny-mixtral")
+def mixtral_dir(model_dirs):
+    return model_dirs("tiny-mixtral")
 
 
 def test_checkpoint_source_reads_each_expert_as_loaded(mixtral_dir):
@@ -243,8 +264,8 @@ def test_config_checks_name_the_key():
 # ---------------------------------------------------------------- the engine
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_tokens_identical_at_every_host_ratio(builtin_dir, preset):
-    model_dir = builtin_dir(preset)
+def test_tokens_identical_at_every_host_ratio(model_dirs, preset):
+    model_dir = model_dirs(preset)
     reference = _tokens(model_dir, CONFIG)
     for ratio in (1.0, 0.5, 0.1, 0.0):
         # Packets far smaller than an expert: every expert is several reads.
@@ -333,14 +354,14 @@ print(json.dumps(dict(base=base, peak=peak_rss_bytes(), ok=sum(r.status == "ok" 
 """
 
 
-def test_small_mixtral_peak_rss_stays_within_the_budgets(builtin_dir, tmp_path):
+def test_small_mixtral_peak_rss_stays_within_the_budgets(model_dirs, tmp_path):
     """A 857 MB checkpoint under a 300 MB host budget: the job's RSS growth over its runtime
     (interpreter, torch, tokenizer) stays within host_memory_gb + kv_cache_gb + 10%, measured
     by the kernel (VmHWM) in a fresh process."""
     import subprocess
     import sys
 
-    model_dir = builtin_dir("small-mixtral")
+    model_dir = model_dirs("small-mixtral")
     budget_gb, kv_gb = 0.3, 0.05
     env = dict(os.environ)
     out = subprocess.run([sys.executable, "-c", _RSS_JOB, str(model_dir), str(budget_gb),
@@ -352,7 +373,7 @@ def test_small_mixtral_peak_rss_stays_within_the_budgets(builtin_dir, tmp_path):
     assert growth <= 1.10 * (budget_gb + kv_gb) * 1e9, (growth / 1e6, got)
 
 
-def test_a_disk_read_error_fails_the_shard_and_the_rerun_loses_no_row(builtin_dir, tmp_path,
+def test_a_disk_read_error_fails_the_shard_and_the_rerun_loses_no_row(model_dirs, tmp_path,
                                                                        monkeypatch):
     """A read error mid-shard fails the generate job naming the file (no row is blamed for
     the disk); the rows finished before it are in the checkpoint, and the rerun resumes from
@@ -363,7 +384,7 @@ def test_a_disk_read_error_fails_the_shard_and_the_rerun_loses_no_row(builtin_di
     from moe_engine.stages.generate import run_shard
     from moe_engine.stages.shard import shard_corpus
 
-    model = builtin_dir("tiny-mixtral")
+    model = model_dirs("tiny-mixtral")
     cfg = compose(["workload.limit=10", "workload.max_new_tokens=6", "engine.policy=config",
                    "engine.max_num_seqs=2", "engine.kv_cache_gb=0.02", "engine.threads=2",
                    "engine.checkpoint_every=1", "engine.host_resident_ratio=0.25",

@@ -3,7 +3,6 @@ resident, wherever attention and experts run, and however the FFN is grouped, fo
 supported architecture (dense layers and shared experts stay resident)."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import pytest
@@ -146,18 +145,6 @@ def test_read_only_model_dir_saves_the_profile_in_the_cache(tmp_path, monkeypatc
     other = tmp_path / "other"
     other.mkdir()
     assert rp.profile_path(other, tmp_path / "cache") != path
-
-
-@pytest.fixture(scope="module")
-def tiny_three_layer_dir(tmp_path_factory):
-    """tiny-mixtral with 3 layers: with more layers than ring slots (and an odd count) a
-    failed step can leave both slots claimed, which two layers alone never show."""
-    import moe_engine.tools.checkpoints as ck
-
-    preset = dataclasses.replace(ck.PRESETS["tiny-mixtral"], num_hidden_layers=3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(ck.PRESETS, "tiny-mixtral-3l", preset)
-        return ck.build_checkpoint("tiny-mixtral-3l", tmp_path_factory.mktemp("m") / "t3", seed=0)
 
 
 @pytest.fixture(scope="module")

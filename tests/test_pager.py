@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from moe_engine.offload.backend import CpuBackend, cuda_available, make_backend
+from moe_engine.offload.async_cpu import AsyncCpuBackend
+from moe_engine.offload.backend import CompletedEvent, CpuBackend, cuda_available, make_backend
 from moe_engine.model.loader import load_weights
 from moe_engine.model.spec import load_spec
 from moe_engine.offload.pager import DeviceBudgetError, WeightPager
@@ -153,6 +154,65 @@ def test_cancel_drops_queued_pages(tiny_mixtral_dir, spec):
     time.sleep(0.05)
     assert backend.link_bytes_moved == (spec.num_experts - 1) * pager.expert_bytes
     assert pager.stats.bytes_cancelled == pager.expert_bytes
+    backend.close()
+
+
+def _three_layers(tiny_mixtral_dir, spec):
+    """Weights with a third layer (a copy of layer 1, ranked like it), the same unchanged for
+    reference, and their profile: layer 2 refills layer 0's slot with different bytes."""
+    weights = _weights(tiny_mixtral_dir, spec)
+    weights.layers.append(copy.deepcopy(weights.layers[1]))
+    counts = _skewed_profile(spec).counts
+    return weights, copy.deepcopy(weights), RoutingProfile(counts + (counts[1],))
+
+
+@pytest.mark.parametrize("release_event", [True, False])
+def test_a_refill_waits_for_the_readers_launched_before_the_release(tiny_mixtral_dir, spec,
+                                                                    release_event):
+    """On an asynchronous device a released slot may still be read by queued compute: its
+    refill must wait for the release event. Without the event (False) the harness sees the
+    overwrite, so the test would fail if the pager did not order the refill."""
+    weights, reference, profile = _three_layers(tiny_mixtral_dir, spec)
+    backend = AsyncCpuBackend(seed=0, compute_delay_s=0.0, copy_delay_s=0.0)
+    if not release_event:
+        backend.record_compute_event = CompletedEvent
+    pager = WeightPager(weights, backend, profile, 0.0)
+    expert = pager.streamed[0][0]
+    pager.prefetch(0)
+    w = pager.wait(0, expert)  # the stream waits for the pages; the host does not
+    seen = []
+    backend.launch(time.sleep, 0.2)  # the compute stream lags the host
+    backend.launch(lambda: seen.append(w.w13.clone()))
+    pager.release(0)
+    pager.prefetch(1)
+    pager.prefetch(2)  # layer 0's slot, with layer 2's bytes
+    landed = pager.wait(2, pager.streamed[2][0])
+    backend.host_sync()
+    assert torch.equal(landed.w13, reference.layers[2].experts[pager.streamed[2][0]].w13)
+    assert torch.equal(seen[0], reference.layers[0].experts[expert].w13) is release_event
+    pager.cancel_all()
+    backend.close()
+
+
+def test_pages_that_launched_work_waits_for_are_never_cancelled(tiny_mixtral_dir, spec):
+    """Claiming a slot drops the previous layer's queued packets, except those the compute
+    stream was told to wait for: on an asynchronous device that work may not have run yet."""
+    weights, reference, profile = _three_layers(tiny_mixtral_dir, spec)
+    backend = AsyncCpuBackend(seed=0, compute_delay_s=0.0, copy_delay_s=4e-3)
+    pager = WeightPager(weights, backend, profile, 0.0, packet_bytes=64 << 10)
+    coldest = pager.streamed[0][-1]
+    pager.prefetch(0)
+    w = pager.wait(0, coldest)  # its packets are queued last
+    seen = []
+    backend.launch(lambda: seen.append(w.w2.clone()))
+    pager.cancel(0, coldest)  # launched work reads it: not dropped
+    pager.release(0)
+    pager.prefetch(1)
+    pager.prefetch(2)  # claims layer 0's slot while the coldest expert is still queued
+    backend.host_sync()  # would raise CopyCancelled had the pages been dropped
+    assert torch.equal(seen[0], reference.layers[0].experts[coldest].w2)
+    assert 0 < pager.stats.bytes_cancelled  # the others were dropped
+    pager.cancel_all()
     backend.close()
 
 

@@ -5,6 +5,13 @@ knows what the device is. `CpuBackend` treats the CPU as the device (resident we
 zero-copy views, copies are memcpys done by a worker thread) so CPU tests exercise the whole
 offloading path. `CudaBackend` runs copies on a dedicated stream with events and pinned staging
 buffers. No other module touches `torch.cuda`.
+
+Ordering between the two streams (docs/offload.md, "Ordering"): device work is `launch`ed onto
+the compute stream; a copy that overwrites memory the compute stream reads carries
+`after=record_compute_event()` taken after the last reader was launched, and compute that reads
+a copy's bytes is ordered after it by `compute_after(handle)`. The host reads a result of device
+work only after `host_sync()`. `async_cpu.AsyncCpuBackend` runs the compute stream on its own
+thread so that a missing wait shows up on a CPU.
 """
 from __future__ import annotations
 
@@ -82,6 +89,30 @@ class CopyHandle:
 _CANCEL_LOCK = threading.Lock()
 
 
+class ComputeEvent(ABC):
+    """A point in the compute stream: it is reached once all device work launched before it was
+    recorded has run."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the compute stream has passed this point."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the compute stream has passed this point."""
+
+
+class CompletedEvent(ComputeEvent):
+    """The event of a backend whose compute runs on the calling thread: the work launched so far
+    has already run when the event is recorded."""
+
+    def done(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
 class CopyWorker:
     """One thread that performs queued copies one at a time, urgent ones first.
 
@@ -90,12 +121,14 @@ class CopyWorker:
     whole layer of weights.
     """
 
-    def __init__(self, transfer: Callable[[torch.Tensor, Any, CopyHandle], None],
+    def __init__(self, transfer: Callable[[torch.Tensor, Any, CopyHandle,
+                                           Optional[ComputeEvent]], None],
                  trace: Optional[Trace], name: str, lane: str = COPY_LANE):
         self._transfer = transfer
         self._trace = trace
         self._lane = lane
-        self._queue: list[tuple[int, tuple, int, CopyHandle, torch.Tensor, Any]] = []
+        self._queue: list[tuple[int, tuple, int, CopyHandle, torch.Tensor, Any,
+                                Optional[ComputeEvent]]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
@@ -105,16 +138,18 @@ class CopyWorker:
         self._thread.start()
 
     def submit(self, dst: torch.Tensor, src: Any, label: str, urgent: bool,
-               rank: tuple = ()) -> CopyHandle:
+               after: Optional[ComputeEvent] = None, rank: tuple = ()) -> CopyHandle:
         """Queue a copy of `src` (anything with `nbytes` that the transfer function moves) into
-        `dst`. Urgent copies go first, then lower `rank` (the order the reader will need them
-        in; all () by default), then submission order."""
+        `dst`, not to start before the compute stream passed `after`. Urgent copies go first,
+        then lower `rank` (the order the reader will need them in; all () by default), then
+        submission order."""
         handle = CopyHandle(src.nbytes, label)
         with self._cv:
             if self._closed:
                 raise RuntimeError("copy worker is closed")
             heapq.heappush(self._queue,
-                           (0 if urgent else 1, rank, next(self._seq), handle, dst, src))
+                           (0 if urgent else 1, rank, next(self._seq), handle, dst, src,
+                            after))
             self._cv.notify()
         return handle
 
@@ -125,7 +160,7 @@ class CopyWorker:
     def close(self) -> None:
         with self._cv:
             self._closed = True
-            for _, _, _, handle, _, _ in self._queue:
+            for _, _, _, handle, _, _, _ in self._queue:
                 handle.cancel()
             self._queue.clear()
             self._cv.notify()
@@ -138,12 +173,12 @@ class CopyWorker:
                     self._cv.wait()
                 if self._closed and not self._queue:
                     return
-                _, _, _, handle, dst, src = heapq.heappop(self._queue)
+                _, _, _, handle, dst, src, after = heapq.heappop(self._queue)
             if not handle._claim():
                 continue
             t0 = time.perf_counter()
             try:
-                self._transfer(dst, src, handle)
+                self._transfer(dst, src, handle, after)
                 self.bytes_moved += handle.nbytes
             except BaseException as exc:  # surfaced to whoever waits on the handle
                 handle._error = exc
@@ -175,14 +210,40 @@ class Backend(ABC):
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat device buffer (the page ring)."""
 
+    # Whether the "device" is the host CPU itself (zero-copy placement, one latency curve for
+    # both sides in placement.py, the CPU attention kernels usable on device activations).
+    device_is_host: bool = False
+
     @abstractmethod
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                   urgent: bool = False) -> CopyHandle:
-        """Queue a host->device copy of `src` into the device tensor `dst`."""
+                   urgent: bool = False, after: Optional[ComputeEvent] = None) -> CopyHandle:
+        """Queue a host->device copy of `src` into the device tensor `dst`. With `after`, no
+        byte of `dst` is written before the compute stream has passed that event: `dst` may
+        still be read by device work launched before it (a page ring slot being refilled).
+        The host does not wait for it."""
 
     @abstractmethod
     def compute_after(self, handle: CopyHandle) -> None:
         """Order the compute stream after a copy; the host waits only as far as needed."""
+
+    @abstractmethod
+    def record_compute_event(self) -> ComputeEvent:
+        """An event the compute stream reaches once the device work launched so far has run."""
+
+    def launch(self, fn: Callable[..., object], *args) -> None:
+        """Run device work `fn(*args)` on the compute stream, after the work launched before.
+
+        Inline here: the CPU computes on the calling thread, and CUDA kernels issued by the
+        calling thread are queued on its current stream, the compute stream, anyway. The
+        return value is dropped on purpose: results come back only through the tensors and
+        objects `fn` writes, and the host reads those after `host_sync()` (on a backend whose
+        compute stream is another thread, they do not exist before)."""
+        fn(*args)
+
+    def host_sync(self) -> None:
+        """Block the host until the compute stream has run all device work launched so far;
+        called before the host reads a result of device work (a no-op where compute is
+        synchronous). Copies still in the link are not waited for."""
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Activation device->host (q/k/v before CPU attention)."""
@@ -227,9 +288,14 @@ class CpuBackend(Backend):
         self.device = torch.device("cpu")
         self.emulated_link_gbps = emulated_link_gbps
         self._link_due = 0.0
+        # Compute runs on the calling thread, so every recorded point has been passed already.
+        self._completed = CompletedEvent()
         self._worker = CopyWorker(self._transfer, trace, "cpu-copy-worker")
 
-    def _transfer(self, dst: torch.Tensor, src: torch.Tensor, handle: CopyHandle) -> None:
+    def _transfer(self, dst: torch.Tensor, src: torch.Tensor, handle: CopyHandle,
+                  after: Optional[ComputeEvent]) -> None:
+        if after is not None:  # recorded on the calling thread's compute: already passed
+            after.synchronize()
         t0 = time.perf_counter()
         dst.copy_(src)
         if self.emulated_link_gbps is None:
@@ -252,12 +318,15 @@ class CpuBackend(Backend):
         return torch.empty(numel, dtype=dtype)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                   urgent: bool = False) -> CopyHandle:
-        return self._worker.submit(dst, src, label, urgent)
+                   urgent: bool = False, after: Optional[ComputeEvent] = None) -> CopyHandle:
+        return self._worker.submit(dst, src, label, urgent, after)
 
     def compute_after(self, handle: CopyHandle) -> None:
         # Compute runs on the calling thread, so it must see the bytes before it goes on.
         handle.wait()
+
+    def record_compute_event(self) -> ComputeEvent:
+        return self._completed
 
 
 class CudaBackend(Backend):
@@ -285,7 +354,8 @@ class CudaBackend(Backend):
         self._staging = torch.empty(staging_bytes, dtype=torch.uint8).pin_memory()
         self._worker = CopyWorker(self._transfer, trace, "cuda-copy-worker")
 
-    def _transfer(self, dst: torch.Tensor, src: torch.Tensor, handle: CopyHandle) -> None:
+    def _transfer(self, dst: torch.Tensor, src: torch.Tensor, handle: CopyHandle,
+                  after: Optional[ComputeEvent]) -> None:
         if not src.is_pinned():
             if src.nbytes > self._staging.numel():
                 raise ValueError(f"packet of {src.nbytes} bytes exceeds the pinned staging buffer")
@@ -294,10 +364,19 @@ class CudaBackend(Backend):
             src = staged
         event = torch.cuda.Event()
         with torch.cuda.stream(self.copy_stream):
+            if after is not None:
+                # The device-side wait that makes refilling a ring slot safe: the copy engine
+                # does not start before the compute stream passed the slot's last reader. The
+                # host (this worker included) is not blocked by it, only the copy stream.
+                self.copy_stream.wait_event(_cuda_event(after))
             dst.copy_(src, non_blocking=True)
             event.record(self.copy_stream)
-        # One packet in the link at a time: the next waits for this one (bounded head-of-line
-        # blocking for activation copies), and the staging buffer is free again afterwards.
+        # Not an ordering device: one packet in the link at a time (bounded head-of-line
+        # blocking for activation copies), the staging buffer is free again afterwards, and a
+        # completed handle means the bytes have landed (what `compute_after` and the pager's
+        # `bytes_to_move` rely on). With `after`, this also waits for the compute stream to
+        # reach that point; packets behind this one are for the same or a later slot fill, so
+        # they could not have started earlier anyway.
         event.synchronize()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -310,13 +389,24 @@ class CudaBackend(Backend):
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                   urgent: bool = False) -> CopyHandle:
-        return self._worker.submit(dst, src, label, urgent)
+                   urgent: bool = False, after: Optional[ComputeEvent] = None) -> CopyHandle:
+        return self._worker.submit(dst, src, label, urgent, after)
 
     def compute_after(self, handle: CopyHandle) -> None:
         # The handle completes only after the packet's event, so kernels queued from now on
-        # read landed bytes.
+        # read landed bytes. (The host waits here because the packet's CUDA event exists only
+        # once the worker issued it; a packet still queued has nothing to wait_event on.)
         handle.wait()
+
+    def record_compute_event(self) -> ComputeEvent:
+        event = torch.cuda.Event()
+        event.record(self.compute_stream)
+        return _CudaComputeEvent(event)
+
+    def host_sync(self) -> None:
+        # The compute stream only: copies in the link keep running (torch.cuda.synchronize, as
+        # in `synchronize`, would wait for the prefetch of the next layer too).
+        self.compute_stream.synchronize()
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")
@@ -331,6 +421,25 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+class _CudaComputeEvent(ComputeEvent):
+    """A torch.cuda.Event recorded on the compute stream."""
+
+    def __init__(self, event: "torch.cuda.Event"):
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+def _cuda_event(event: ComputeEvent) -> "torch.cuda.Event":
+    if not isinstance(event, _CudaComputeEvent):
+        raise TypeError(f"a CUDA copy can only wait on a CUDA compute event, got {event!r}")
+    return event.event
 
 
 def make_backend(kind: str, emulated_link_gbps: Optional[float] = None,

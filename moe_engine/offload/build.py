@@ -10,7 +10,7 @@ from typing import Optional
 
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.model.attention import DecodeAttention
-from moe_engine.offload.backend import make_backend
+from moe_engine.offload.backend import Backend, make_backend
 from moe_engine.offload.disk import DirectReader
 from moe_engine.offload.disk_tier import DiskTier, HostTierPlan, plan_host_tier
 from moe_engine.offload.expert_store import ExpertFile, ExpertSource, checkpoint_source
@@ -87,7 +87,8 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                            latency: Optional[ExpertLatencyProfile] = None,
                            trace: Optional[Trace] = None,
                            experts: Optional[ExpertSource] = None,
-                           loaded_bytes: Optional[int] = None) -> OffloadPipeline:
+                           loaded_bytes: Optional[int] = None,
+                           backend: Optional[Backend] = None) -> OffloadPipeline:
     """Wrap `runner` (its weights moved behind a pager) into an OffloadPipeline.
 
     Residency follows `routing`; without one it follows expert index (with a warning when
@@ -95,10 +96,12 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     (or not needed: r_w 1). With the disk tier, `experts` is where the experts are on disk
     (the runner was loaded without them); the host tier is read from it here, and the ring
     takes what the host budget leaves after `loaded_bytes` (what loading the rest cost in RSS;
-    default: the tensors' bytes).
+    default: the tensors' bytes). `backend` replaces the one `settings` names (tests pass the
+    asynchronous CPU test backend, which the configuration does not offer).
     """
     spec = runner.spec
-    backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
+    if backend is None:
+        backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
     resident_ratio = settings.resident_ratio
     disk, plan = None, None
     if settings.disk_tier:
@@ -134,7 +137,7 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                         packet_bytes=settings.packet_bytes,
                         budget_bytes=settings.device_memory_bytes, disk=disk)
     runner.weights = pager.device_weights
-    if backend.name != "cpu":
+    if not backend.device_is_host:
         _place_runner_state(runner, backend, pager, settings.attention_on_device)
     return OffloadPipeline(runner, pager, ExpertPlacer(latency, settings.ffn_on_device),
                            attention_on_device=settings.attention_on_device,

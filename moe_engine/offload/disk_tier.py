@@ -13,8 +13,10 @@ free slot, and when none is free it takes the slot of the latest-ordered expert 
 (that one is requested again later). So the next layer's reads fill whatever the current layer
 leaves free, yet never starve the current layer: no order of requests can deadlock the ring.
 
-A slot is rewritten only after `release`: on the CPU backend compute runs on the calling thread,
-so by then its last reader has finished; other backends order the release after their compute.
+A slot is rewritten only after `release`, and its next read waits on the compute event given
+there (recorded after the slot's last reader was launched): on the CPU backend that event has
+passed already (compute runs on the calling thread); on an asynchronous backend the reader
+thread waits for it, so a read never lands under an expert still being computed.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Optional
 import torch
 
 from moe_engine.model.weights import ExpertWeights
-from moe_engine.offload.backend import CopyHandle, CopyWorker
+from moe_engine.offload.backend import ComputeEvent, CopyHandle, CopyWorker
 from moe_engine.offload.disk import DirectReader, DiskRead, aligned_empty
 from moe_engine.offload.expert_store import ExpertSource
 from moe_engine.offload.trace import Trace
@@ -51,6 +53,7 @@ class _RingSlot:
     order: tuple = ()
     handles: list[CopyHandle] = field(default_factory=list)
     in_use: bool = False
+    free_after: Optional[ComputeEvent] = None  # the last reader's compute event
 
 
 class DiskTier:
@@ -90,7 +93,10 @@ class DiskTier:
     def busy_s(self) -> float:
         return self._worker.busy_s
 
-    def _transfer(self, dst: torch.Tensor, src: DiskRead, handle: CopyHandle) -> None:
+    def _transfer(self, dst: torch.Tensor, src: DiskRead, handle: CopyHandle,
+                  after: Optional[ComputeEvent]) -> None:
+        if after is not None:  # the slot's last reader must have run before its bytes change
+            after.synchronize()
         self.reader.read_into(dst, src)
 
     def holds(self, layer: int, expert: int) -> bool:
@@ -142,22 +148,23 @@ class DiskTier:
         self.stats.wait_s += time.perf_counter() - t0
         return slot.flat
 
-    def release(self, layer: int, expert: int) -> None:
-        """The expert's compute is done: its slot may take another expert."""
+    def release(self, layer: int, expert: int, after: Optional[ComputeEvent] = None) -> None:
+        """The expert's compute was launched (or it is not needed): its slot may take another
+        expert, whose read waits for `after` (None: nothing reads the slot any more)."""
         with self._lock:
             self._pending.pop((layer, expert), None)
             slot = self._held.get((layer, expert))
             if slot is not None:
-                self._vacate(slot)
+                self._vacate(slot, after)
             self._fill()
 
-    def release_layer(self, layer: int) -> None:
+    def release_layer(self, layer: int, after: Optional[ComputeEvent] = None) -> None:
         """Drop every read of `layer` still held or pending (experts it did not use)."""
         with self._lock:
             for key in [k for k in self._pending if k[0] == layer]:
                 del self._pending[key]
             for key in [k for k in self._held if k[0] == layer]:
-                self._vacate(self._held[key])
+                self._vacate(self._held[key], after)
             self._fill()
 
     def cancel_all(self) -> None:
@@ -174,12 +181,14 @@ class DiskTier:
 
     # ------------------------------------------------------------------ slot assignment
 
-    def _vacate(self, slot: _RingSlot) -> None:
+    def _vacate(self, slot: _RingSlot, after: Optional[ComputeEvent] = None) -> None:
         for h in slot.handles:
             if not h.cancel():
                 h.settle()  # a packet in flight lands before its bytes can be overwritten
         if slot.key is not None:
             self._held.pop(slot.key, None)
+        if after is not None:
+            slot.free_after = after
         slot.key, slot.order, slot.handles, slot.in_use = None, (), [], False
 
     def _fill(self) -> None:
@@ -204,7 +213,7 @@ class DiskTier:
         layer, expert = key
         slot.key, slot.order, slot.in_use = key, order, False
         slot.handles = [self._worker.submit(slot.flat, part, f"disk L{layer} E{expert} p{k}",
-                                            urgent=False, rank=order)
+                                            urgent=False, after=slot.free_after, rank=order)
                         for k, part in enumerate(self.source.read(layer, expert)
                                                  .split(self.packet_bytes))]
         self._held[key] = slot

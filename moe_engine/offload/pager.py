@@ -7,7 +7,10 @@ Layout (Lightning A.1, MoE-Lens 6.5):
 - The other experts of a layer are packed contiguously in a host store (pinned on CUDA), most
   used first, and stream into a device page ring of two layer slots (2x the streamed part of
   one layer): consecutive layers alternate slots, so layer i+1's pages land while layer i
-  computes, and a slot is refilled only after its layer was released.
+  computes, and a slot is refilled only after its layer was released. Release records an
+  event on the compute stream after the slot's last reader; every copy into the slot after
+  that waits for it on the device side (the host does not block), so a refill never
+  overwrites pages that kernels launched earlier still read.
 - Each expert moves as packets of at most `packet_bytes`, queued hot-first, so activation
   copies never wait behind a whole layer and `wait(layer, expert)` blocks only for the packets
   of the expert needed now.
@@ -29,8 +32,9 @@ from typing import Iterable, Optional
 
 import torch
 
+
 from moe_engine.model.weights import ExpertWeights, LayerWeights, ModelWeights
-from moe_engine.offload.backend import Backend, CopyHandle
+from moe_engine.offload.backend import Backend, ComputeEvent, CopyHandle
 from moe_engine.offload.disk_tier import DiskTier
 from moe_engine.offload.expert_store import ExpertLayout
 from moe_engine.offload.routing import RoutingProfile
@@ -78,7 +82,13 @@ class _Slot:
     handles: dict[int, list[CopyHandle]] = field(default_factory=dict)
     issue_seq: dict[int, int] = field(default_factory=dict)
     draining: list[CopyHandle] = field(default_factory=list)  # started, then cancelled
+    # Experts the compute stream was ordered after (`wait`): launched work reads their pages,
+    # so their packets are never cancelled, even once the layer is released.
+    waited: set[int] = field(default_factory=set)
     released_at: int = -1  # release counter value, to reuse the older free slot first
+    # Compute-stream point after the last reader of the previous occupant: copies into the
+    # slot wait for it (None: never read yet).
+    free_after: Optional[ComputeEvent] = None
 
 
 class WeightPager:
@@ -298,16 +308,18 @@ class WeightPager:
                                f"prefetching layer {layer}")
         slot = min(free, key=lambda s: s.released_at)
         # Packets of the previous occupant still queued are dropped; one already in the link
-        # must land before its bytes are overwritten.
-        for handles in slot.handles.values():
+        # must land before its bytes are overwritten (copy after copy: this host wait is for
+        # at most one packet). Compute still reading the slot is waited for by the copies
+        # themselves (`free_after`), not here.
+        for e, handles in slot.handles.items():
             for h in handles:
-                if h.cancel():
+                if e not in slot.waited and h.cancel():
                     self.stats.bytes_cancelled += h.nbytes
                 else:
                     slot.draining.append(h)
         for h in slot.draining:
             h.settle()
-        slot.handles, slot.issue_seq, slot.draining = {}, {}, []
+        slot.handles, slot.issue_seq, slot.draining, slot.waited = {}, {}, [], set()
         slot.layer, slot.released = layer, False
         return slot
 
@@ -322,7 +334,8 @@ class WeightPager:
         for k, start in enumerate(range(0, self.expert_bytes, self.packet_bytes)):
             end = min(start + self.packet_bytes, self.expert_bytes)
             handles.append(self.backend.copy_async(dst[start:end], src[start:end],
-                                                   label=f"L{layer} E{expert} p{k}"))
+                                                   label=f"L{layer} E{expert} p{k}",
+                                                   after=slot.free_after))
         slot.handles[expert] = handles
         slot.issue_seq[expert] = self._seq
         self._seq += 1
@@ -348,11 +361,13 @@ class WeightPager:
             self.prefetch(layer, [expert])
             slot = self._claim(layer)
         t0 = time.perf_counter()
+        slot.waited.add(expert)
         if disk and expert not in slot.handles:  # disk -> host slot -> device ring
             landed = self.disk.wait_bytes(layer, expert, self._order(layer, expert))
             self._issue(slot, layer, expert, src=landed)
             for h in slot.handles[expert]:
                 self.backend.compute_after(h)
+            # The device copy was the disk slot's only reader, and it has landed.
             self.disk.release(layer, expert)
         for h in slot.handles[expert]:
             self.backend.compute_after(h)
@@ -360,19 +375,21 @@ class WeightPager:
         return self._view(slot.flat, self._position[layer][expert])
 
     def done(self, layer: int, expert: int) -> None:
-        """The expert's compute is finished: a disk expert's slot may take another read."""
+        """The expert's compute has been launched: a disk expert's slot may take another read
+        once the compute stream has run it (the read waits on an event recorded now)."""
         if self.disk is not None and expert in self.on_disk[layer] and \
                 self.backend.device_is_host:
-            self.disk.release(layer, expert)
+            self.disk.release(layer, expert, after=self.backend.record_compute_event())
 
     def cancel(self, layer: int, expert: int) -> None:
         """Drop the expert's queued packets (it will run on the CPU instead, or not at all this
-        step). A disk expert gives up its disk-tier slot: an unused read must not hold a slot
-        the layer's other experts are waiting for."""
+        step), unless launched work already waits for them. A disk expert gives up its
+        disk-tier slot: an unused read must not hold a slot the layer's other experts are
+        waiting for."""
         if self.disk is not None and expert in self.on_disk[layer]:
             self.disk.release(layer, expert)
         slot = self._slot_of(layer)
-        if slot is None or expert not in slot.handles:
+        if slot is None or expert not in slot.handles or expert in slot.waited:
             return
         for h in slot.handles.pop(expert):
             if h.cancel():
@@ -382,18 +399,21 @@ class WeightPager:
         slot.issue_seq.pop(expert, None)
 
     def release(self, layer: int) -> None:
-        """The layer's compute is done: its ring slot may be refilled."""
+        """The layer's compute has been launched: its ring slot may be refilled once the compute
+        stream has run it (call it after the slot's last reader was launched)."""
         slot = self._slot_of(layer)
         if slot is not None:
+            slot.free_after = self.backend.record_compute_event()
             slot.released = True
             self._releases += 1
             slot.released_at = self._releases
         self._visit_of.pop(layer, None)
         if self.disk is not None:
-            self.disk.release_layer(layer)
+            self.disk.release_layer(layer, after=self.backend.record_compute_event())
 
     def cancel_all(self) -> None:
-        """Drop every queued packet (end of a run) and wait for the ones in the link."""
+        """Drop every queued packet (end of a run, or a failed step after its device work was
+        waited for: no launched work may still wait for pages) and wait for those in the link."""
         for slot in self._slots:
             for handles in slot.handles.values():
                 for h in handles:
@@ -401,7 +421,9 @@ class WeightPager:
                         h.settle()
             for h in slot.draining:
                 h.settle()
-            slot.handles, slot.issue_seq, slot.draining = {}, {}, []
+            slot.handles, slot.issue_seq, slot.draining, slot.waited = {}, {}, [], set()
+            if not slot.released:  # dropped without a release: its readers may still run
+                slot.free_after = self.backend.record_compute_event()
             slot.layer, slot.released = None, True
         self._visit_of.clear()
         if self.disk is not None:

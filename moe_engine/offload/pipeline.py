@@ -16,17 +16,22 @@ With `group_ffn="micro_batch"` the FFN instead runs per micro-batch right after 
 (Lightning's order: post-attention of j, pre-attention of j for the next layer, CPU attention
 of j+1 meanwhile), still expert by expert and hot first.
 
-The device is the calling thread; CPU attention and CPU experts run on one worker thread; the
-link is the backend's copy worker. Every part of the math is a public step of the ModelRunner
-(embed, pre_attention, attend, post_attention, ffn, lm_head); this module only decides where and
-in which order they run, and computes the routed experts one at a time where their weights are.
+The device is the backend's compute stream: device work is `launch`ed onto it (inline on the
+CPU backend and on CUDA, where kernels are asynchronous anyway; on its own thread on the test
+backend `AsyncCpuBackend`), and the host reads what it computed only after `host_sync` (the
+router's choices before placing experts, q/k/v before CPU attention, the logits). CPU attention
+and CPU experts run on one worker thread; the link is the backend's copy worker. Every part of
+the math is a public step of the ModelRunner (embed, pre_attention, attend, post_attention, ffn,
+lm_head); this module only decides where and in which order they run, and computes the routed
+experts one at a time where their weights are.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -119,6 +124,7 @@ class OffloadPipeline:
     def close(self) -> None:
         """Stop the CPU worker and drop queued pages (the pager's copy worker stays up)."""
         self._cpu.shutdown(wait=True)
+        self.backend.host_sync()  # no launched work may still read the slots cancel_all frees
         self.pager.cancel_all()
 
     def forward(self, batches: list[MicroBatchInput]) -> torch.Tensor:
@@ -131,6 +137,11 @@ class OffloadPipeline:
             for job in self._inflight:
                 if not job.cancel():
                     job.exception()
+            # Device work of the failed step must not outlive it either (it reads the ring
+            # slots cancel_all frees, and writes activations and, on the device, KV blocks);
+            # an error of its own is secondary to the one being raised.
+            with suppress(Exception):
+                self.backend.host_sync()
             self.pager.cancel_all()
             self._first_prefetch_done = False
             raise
@@ -149,6 +160,9 @@ class OffloadPipeline:
         if not self._first_prefetch_done:
             self._prefetch(0, num_tokens)
             self._first_prefetch_done = True
+        # The embedding runs on the host thread, not launched: it reads only resident weights
+        # and this step's inputs and writes fresh tensors, so no device work orders it, and the
+        # Activation objects the launched steps mutate exist from here on.
         acts = []
         with self._device("embed"):
             batches = [self._on_device(mb) for mb in batches]
@@ -160,17 +174,20 @@ class OffloadPipeline:
             nxt = (i + 1) % num_layers  # the last layer prefetches layer 0 of the next step
             if nxt != i:
                 self._prefetch(nxt, num_tokens)
+            # Filled by launched post-attention work: read on the host after a host_sync only.
             routed: list[Optional[Routed]] = [None] * len(batches)
             for j, (mb, act) in enumerate(zip(batches, acts)):
                 self._await_attention(pending[j], act)
                 with self._device(f"post L{i} mb{j}"):
-                    routed[j] = self.runner.post_attention(i, act)
+                    self.backend.launch(self._post_attention, i, act, routed, j)
                 if self.group_ffn == "micro_batch":
-                    self._ffn(i, [act], [routed[j]])
+                    self._ffn(i, acts, routed, [j])
                     if i + 1 < num_layers:
                         pending[j] = self._pre_attention(i + 1, j, mb, act)
             if self.group_ffn == "layer":
-                self._ffn(i, acts, routed)
+                self._ffn(i, acts, routed, list(range(len(batches))))
+            # Every reader of the layer's ring slot has been launched: the release event
+            # follows them on the compute stream, and the slot's next fill waits for it.
             self.pager.release(i)
             if nxt == i:  # one layer: its slot is free only now
                 self._prefetch(nxt, num_tokens)
@@ -212,15 +229,22 @@ class OffloadPipeline:
     def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: Activation) -> Future:
         """Device norm + QKV of micro-batch j; its attention starts at once where it runs."""
         with self._device(f"pre L{layer} mb{j}"):
-            self.runner.pre_attention(layer, mb, act)
+            self.backend.launch(self.runner.pre_attention, layer, mb, act)
         if self.attention_on_device:
             with self._device(f"attn L{layer} mb{j}"):
-                self.runner.attend(layer, mb, act)
+                self.backend.launch(self.runner.attend, layer, mb, act)
             done: Future = Future()
             done.set_result(None)
             return done
+        # The CPU reads q/k/v: wait for the projection (on CUDA to_host would wait anyway).
+        self.backend.host_sync()
         act.q, act.k, act.v = (self.backend.to_host(t) for t in (act.q, act.k, act.v))
         return self._submit_cpu(self._cpu_attention, layer, j, mb, act)
+
+    def _post_attention(self, layer: int, act: Activation, routed: list[Optional[Routed]],
+                        j: int) -> None:
+        """Launched: the runner's post-attention part, its result stored for later steps."""
+        routed[j] = self.runner.post_attention(layer, act)
 
     def _submit_cpu(self, fn, *args) -> Future:
         job = self._cpu.submit(fn, *args)
@@ -243,16 +267,28 @@ class OffloadPipeline:
         if not self.attention_on_device:
             act.attn = self.backend.activation_to_device(act.attn)
 
-    def _ffn(self, layer: int, acts: list[Activation], routed: list[Routed]) -> None:
-        """x += FFN(h) for the given micro-batches: the routed experts one at a time across all
-        of them (wherever each one's weights are), then the runner adds the dense part."""
+    def _ffn(self, layer: int, acts: list[Activation], routed: list[Optional[Routed]],
+             which: list[int]) -> None:
+        """x += FFN(h) for micro-batches `which`: the routed experts one at a time across all of
+        them (wherever each one's weights are), then the runner adds the dense part."""
         t0 = time.perf_counter()
-        h = torch.cat([r.h for r in routed])
-        out = self._experts(layer, h, routed) if self.spec.is_moe_layer(layer) else None
+        out = None
+        if self.spec.is_moe_layer(layer):
+            # Placement is decided on the host from the router's choices: wait for them.
+            self.backend.host_sync()
+            chosen = [routed[j] for j in which]
+            out = self._experts(layer, torch.cat([r.h for r in chosen]), chosen)
         t1 = time.perf_counter()
         self.runner.times.ffn_s += t1 - t0  # the runner's ffn times its own part
         with self._device(f"dense ffn L{layer}"):
-            self.runner.ffn(layer, acts, routed, experts_out=out)
+            self.backend.launch(self._dense_ffn, layer, [acts[j] for j in which], routed, which,
+                                out)
+
+    def _dense_ffn(self, layer: int, acts: list[Activation], routed: list[Optional[Routed]],
+                   which: list[int], experts_out: Optional[torch.Tensor]) -> None:
+        """Launched: the runner's FFN over the micro-batches (routed read when it runs: in a
+        dense layer the host never waited for them)."""
+        self.runner.ffn(layer, acts, [routed[j] for j in which], experts_out=experts_out)
 
     def _experts(self, layer: int, h: torch.Tensor, routed: list[Routed]) -> torch.Tensor:
         """Sum of the routed experts' outputs, resident and streamed ones on the device, the
@@ -264,27 +300,29 @@ class OffloadPipeline:
         cpu_jobs = [(e, self._submit_cpu(self._cpu_expert, layer, e,
                                          *self._rows(h, weights, experts, e)))
                     for e in cpu]
+        # Written only by work launched below, in launch order, and read by the launched FFN.
         out = torch.zeros_like(h)
         for e in device:
             t0 = time.perf_counter()
-            w = self.pager.wait(layer, e)
+            w = self.pager.wait(layer, e)  # orders the compute stream after the pages
             t1 = time.perf_counter()
             if t1 - t0 > 1e-4:
                 self.trace.add(WAIT_LANE, f"wait L{layer} E{e}", t0, t1)
             self._step.transfer_wait_time_s += t1 - t0
             with self._device(f"expert L{layer} E{e}"):
                 tokens, rows, rw = self._rows(h, weights, experts, e)
-                out.index_add_(0, tokens, _expert_output(w, rows, rw))
+                self.backend.launch(_add_expert_output, out, tokens, w, rows, rw)
             # Grouped by layer, each expert runs once per step: a disk expert's slot can take
-            # the next read now. Per micro-batch it is needed again, so the layer's release
-            # frees it.
+            # the next read once the compute stream has run this FFN. Per micro-batch it is
+            # needed again, so the layer's release frees it.
             if self.group_ffn == "layer":
                 self.pager.done(layer, e)
         for e, job in cpu_jobs:
             t0 = time.perf_counter()
             tokens, result = job.result()
             self._step.cpu_wait_time_s += time.perf_counter() - t0
-            out.index_add_(0, tokens, self.backend.activation_to_device(result))
+            self.backend.launch(_add_rows, out, tokens,
+                                self.backend.activation_to_device(result))
         return out
 
     def _plan(self, layer: int, counts: list[int]) -> tuple[list[int], list[int]]:
@@ -334,8 +372,11 @@ class OffloadPipeline:
         return tokens, result
 
     def _head(self, batches: list[MicroBatchInput], acts: list[Activation]) -> torch.Tensor:
+        logits: list[torch.Tensor] = []
         with self._device("head"):
-            return self.backend.to_host(self.runner.lm_head(batches, acts))
+            self.backend.launch(_append, logits, self.runner.lm_head, batches, acts)
+        self.backend.host_sync()  # the sampler reads the logits on the host
+        return self.backend.to_host(logits[0])
 
     def _device(self, label: str) -> "_DeviceSpan":
         return _DeviceSpan(self, label)
@@ -370,6 +411,22 @@ class _DeviceSpan:
         self.pipe._step.device_compute_time_s += t1 - self.t0
         self.pipe.trace.add(DEVICE_LANE, self.label, self.t0, t1)
         return False
+
+
+def _add_expert_output(out: torch.Tensor, tokens: torch.Tensor, expert: ExpertWeights,
+                       rows: torch.Tensor, rw: torch.Tensor) -> None:
+    """Launched: out[tokens] += rw * expert(rows), reading the expert's (ring) pages."""
+    out.index_add_(0, tokens, _expert_output(expert, rows, rw))
+
+
+def _add_rows(out: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+    """Launched: out[tokens] += rows (a CPU expert's result, in stream order with the others)."""
+    out.index_add_(0, tokens, rows)
+
+
+def _append(results: list, fn: Callable[..., torch.Tensor], *args) -> None:
+    """Launched: keep fn's result where the host finds it after a host_sync."""
+    results.append(fn(*args))
 
 
 def _expert_output(expert: ExpertWeights, rows: torch.Tensor, rw: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ def measure_expert_profile(backend, expert: ExpertWeights,
     host = expert.map(lambda t: t.contiguous())  # scales too, for quantized experts
     # Packed experts (the CPU kernels) take fp32 activations whatever their storage.
     act_dtype = torch.float32 if is_packed(host) else host.w13.dtype
-    same_silicon = backend.name == "cpu"
+    same_silicon = backend.device_is_host
     dev = host if same_silicon else host.map(backend.to_device)
     hidden = host.w13.shape[1]
     cpu_s, dev_s = [], []
