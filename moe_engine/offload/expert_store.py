@@ -127,6 +127,10 @@ class ExpertSource:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._reads
 
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (layer, expert) the source holds, in order."""
+        return sorted(self._reads)
+
     def check(self, reader: DirectReader) -> None:
         """Fail now, naming the file, if a source file changed since the layout was taken."""
         for path, identity in self.identities.items():
