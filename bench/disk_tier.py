@@ -50,6 +50,7 @@ from moe_engine.config import EngineConfig  # noqa: E402
 from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from moe_engine.offload.trace import Span, Trace  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
+from offload import plot, window as decode_window  # noqa: E402  (bench/offload.py)
 
 REPO = Path(__file__).resolve().parent.parent
 RATIOS = (1.0, 0.5, 0.25, 0.0)
@@ -102,21 +103,11 @@ def expert_file_read_gbps(path: Path, passes: int = 1) -> float:
     from moe_engine.model import packed
     from moe_engine.model.spec import load_spec
     from moe_engine.offload.build import expert_source
-    from moe_engine.offload.disk import DirectReader, DiskRead, Extent, aligned_empty
+    from moe_engine.offload.disk import sweep_read_rate
 
     source = expert_source(path, load_spec(path), torch.bfloat16, packed.storage_name(torch.bfloat16))
     reads = [p for key in source.keys() for p in source.read(*key).split(16 << 20)]
-    buf = aligned_empty(16 << 20)
-    reader = DirectReader()
-    times = []
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        for part in reads:
-            e = part.extents[0]
-            reader.read_into(buf, DiskRead((Extent(e.path, e.offset, e.nbytes, 0),)))
-        times.append(time.perf_counter() - t0)
-    reader.close()
-    return sum(p.nbytes for p in reads) / statistics.median(times) / 1e9
+    return sweep_read_rate(reads, passes) / 1e9
 
 
 _RSS_JOB = r"""
@@ -150,44 +141,22 @@ def rss_check(path: Path, budget_gb: float, kv_gb: float, n: int) -> dict:
     return got
 
 
+DISK_LANES = ["disk", "device", "wait", "cpu"]
+DISK_LANE_NAMES = {"disk": "disk reads", "device": "compute", "wait": "blocked on reads",
+                   "cpu": "CPU attention"}
+DISK_LEGEND = [("tab:blue", "expert read (16 MiB packets)"), ("tab:orange", "expert FFN"),
+               ("tab:gray", "norm/QKV/O/router/head"), ("tab:red", "blocked on a read"),
+               ("tab:green", "attention (CPU worker)")]
+
+
+def disk_colour(span: Span) -> str:
+    if span.lane == "device":
+        return "tab:orange" if span.label.startswith("expert") else "tab:gray"
+    return {"disk": "tab:blue", "wait": "tab:red", "cpu": "tab:green"}[span.lane]
+
+
 def plot_timeline(spans: list[Span], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    lanes = [("disk", "disk reads"), ("device", "compute"), ("wait", "blocked on reads"),
-             ("cpu", "CPU attention")]
-    colours = {"disk": "tab:blue", "wait": "tab:red", "cpu": "tab:green"}
-    t0 = min(s.start for s in spans)
-    fig, ax = plt.subplots(figsize=(12, 3.0))
-    for row, (lane, _) in enumerate(lanes):
-        mine = [s for s in spans if s.lane == lane]
-        cols = [colours.get(lane, "tab:orange" if s.label.startswith("expert") else "tab:gray")
-                for s in mine]
-        ax.broken_barh([((s.start - t0) * 1e3, max(s.duration * 1e3, 0.05)) for s in mine],
-                       (row - 0.4, 0.8), facecolors=cols, edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), [name for _, name in lanes])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(handles=[Patch(color="tab:blue", label="expert read (16 MiB packets)"),
-                       Patch(color="tab:orange", label="expert FFN"),
-                       Patch(color="tab:gray", label="norm/QKV/O/router/head"),
-                       Patch(color="tab:red", label="blocked on a read"),
-                       Patch(color="tab:green", label="attention (CPU worker)")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5, fontsize=8, frameon=False)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-
-
-def decode_window(trace: Trace, first: int, steps: int) -> list[Span]:
-    starts = [s.start for s in trace.spans("device") if s.label == "embed"]
-    lo = starts[min(first, len(starts) - 1)]
-    hi = starts[first + steps] if first + steps < len(starts) else float("inf")
-    return [s for s in trace.spans() if lo <= s.start < hi]
+    plot(spans, out, title, DISK_LANES, DISK_LANE_NAMES, disk_colour, DISK_LEGEND)
 
 
 def main() -> None:

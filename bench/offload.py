@@ -87,7 +87,15 @@ def colour(span: Span) -> str:
     return "tab:gray"
 
 
-def plot(spans: list[Span], out: Path, title: str) -> None:
+LEGEND = [("tab:blue", "weight packet"), ("tab:orange", "expert FFN (device)"),
+          ("tab:gray", "norm/QKV/O/router/head"), ("tab:red", "blocked on pages"),
+          ("tab:green", "attention (CPU)"), ("tab:olive", "expert FFN (CPU)")]
+
+
+def plot(spans: list[Span], out: Path, title: str, lanes: list[str] = LANES,
+         names: dict[str, str] = LANE_NAMES, colour_of=colour,
+         legend: list[tuple[str, str]] = LEGEND) -> None:
+    """A timeline of `spans`, one row per lane (bench/disk_tier.py draws its own lanes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,22 +104,18 @@ def plot(spans: list[Span], out: Path, title: str) -> None:
 
     t0 = min(s.start for s in spans)
     fig, ax = plt.subplots(figsize=(12, 3.2))
-    for row, lane in enumerate(LANES):
+    for row, lane in enumerate(lanes):
         bars = [((s.start - t0) * 1e3, max(s.duration * 1e3, 0.02)) for s in spans
                 if s.lane == lane]
-        cols = [colour(s) for s in spans if s.lane == lane]
+        cols = [colour_of(s) for s in spans if s.lane == lane]
         ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=cols, edgecolor="none")
-    ax.set_yticks(range(len(LANES)), [LANE_NAMES[lane] for lane in LANES])
+    ax.set_yticks(range(len(lanes)), [names[lane] for lane in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(title, fontsize=10)
-    ax.legend(handles=[Patch(color="tab:blue", label="weight packet"),
-                       Patch(color="tab:orange", label="expert FFN (device)"),
-                       Patch(color="tab:gray", label="norm/QKV/O/router/head"),
-                       Patch(color="tab:red", label="blocked on pages"),
-                       Patch(color="tab:green", label="attention (CPU)"),
-                       Patch(color="tab:olive", label="expert FFN (CPU)")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=6, fontsize=8, frameon=False)
+    ax.legend(handles=[Patch(color=c, label=label) for c, label in legend],
+              loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(legend), fontsize=8,
+              frameon=False)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -15,16 +15,7 @@ from moe_engine.offload.build import OffloadSettings, build_offload_pipeline
 from moe_engine.offload.pipeline import OffloadStats
 from moe_engine.offload.routing import find_profile
 
-NEW_TOKENS = 10
-PROMPTS = [
-    "Explain how a mixture of experts layer routes tokens.",
-    "hi",
-    "Write a short story about a cat who learns to fly over the city at night.",
-    "What is 2 + 2?",
-    "List three uses of a paged key value cache in batch inference systems.",
-    "a b c d e f g h i j k l m n o p q r s t u v w x y z",
-    "Why is the sky blue?",
-]
+from test_offload_parity import NEW_TOKENS, PROMPTS  # the same prompts as the parity tests
 CONFIG = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from moe_engine.offload.backend import Backend, ComputeEvent, CopyHandle, CopyWorker
+from moe_engine.offload.backend import ComputeEvent, CopyHandle, CopyWorker, HostMemoryBackend
 from moe_engine.offload.trace import Trace
 
 
@@ -119,7 +119,7 @@ class _ComputeStream:
                     self._error = exc
 
 
-class AsyncCpuBackend(Backend):
+class AsyncCpuBackend(HostMemoryBackend):
     """The CPU as an asynchronous device: a compute thread and a copy thread with random delays
     and real events between them (a test tool; see the module docstring).
 
@@ -128,7 +128,6 @@ class AsyncCpuBackend(Backend):
     """
 
     name = "cpu-async"
-    device_is_host = True
 
     def __init__(self, seed: int = 0, compute_delay_s: float = 1e-3,
                  copy_delay_s: float = 1e-3, trace: Optional[Trace] = None):
@@ -156,19 +155,6 @@ class AsyncCpuBackend(Backend):
         # A reader that did not wait for this packet sees half old and half new bytes.
         time.sleep(self._copy_rng.random() * self._copy_delay_s / 2)
         flat_dst[half:].copy_(flat_src[half:])
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def host_store(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                   urgent: bool = False, after: Optional[ComputeEvent] = None) -> CopyHandle:
-        return self._worker.submit(dst, src, label, urgent, after)
 
     def compute_after(self, handle: CopyHandle) -> None:
         self._stream.wait_for(handle)

@@ -268,7 +268,28 @@ class Backend(ABC):
         self._worker.close()
 
 
-class CpuBackend(Backend):
+class HostMemoryBackend(Backend):
+    """A device whose memory is host memory: resident weights are the host tensors themselves
+    and a page copy is a memcpy by the copy worker (CpuBackend, and the asynchronous CPU test
+    backend)."""
+
+    device_is_host = True
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def host_store(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
+                   urgent: bool = False, after: Optional[ComputeEvent] = None) -> CopyHandle:
+        return self._worker.submit(dst, src, label, urgent, after)
+
+
+class CpuBackend(HostMemoryBackend):
     """The CPU is the device: resident weights are the host tensors themselves, streamed pages
     are memcpys into the page ring done by a copy worker thread.
 
@@ -279,7 +300,6 @@ class CpuBackend(Backend):
     """
 
     name = "cpu"
-    device_is_host = True
 
     def __init__(self, emulated_link_gbps: Optional[float] = None,
                  trace: Optional[Trace] = None):
@@ -307,19 +327,6 @@ class CpuBackend(Backend):
         left = self._link_due - time.perf_counter()
         if left > 0:
             time.sleep(left)
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def host_store(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
-
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, label: str = "",
-                   urgent: bool = False, after: Optional[ComputeEvent] = None) -> CopyHandle:
-        return self._worker.submit(dst, src, label, urgent, after)
 
     def compute_after(self, handle: CopyHandle) -> None:
         # Compute runs on the calling thread, so it must see the bytes before it goes on.

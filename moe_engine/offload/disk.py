@@ -19,7 +19,9 @@ import ctypes
 import errno
 import mmap
 import os
+import statistics
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -265,6 +267,28 @@ def read_bytes(extents: Iterable[Extent], reader: Optional[DirectReader] = None)
         if own:
             reader.close()
     return out
+
+
+def sweep_read_rate(reads: Iterable[DiskRead], passes: int = 3,
+                    direct: bool = True) -> float:
+    """Bytes/s of reading `reads` back to back with the disk tier's reader, each into the same
+    aligned buffer (at byte 0), median of `passes`: the rate a profile or benchmark quotes."""
+    reads = list(reads)
+    size = max((e.nbytes for r in reads for e in r.extents), default=ALIGN)
+    buf = aligned_empty(size)
+    at_zero = [DiskRead(tuple(Extent(e.path, e.offset, e.nbytes, 0) for e in r.extents))
+               for r in reads]
+    reader = DirectReader(direct)
+    times = []
+    try:
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            for r in at_zero:
+                reader.read_into(buf, r)
+            times.append(time.perf_counter() - t0)
+    finally:
+        reader.close()
+    return sum(r.nbytes for r in reads) / statistics.median(times)
 
 
 def file_identity(path: str | os.PathLike) -> FileIdentity:

@@ -142,7 +142,7 @@ def measure_disk_read_bandwidth(directory: Path | str, nbytes: int = 256 << 20,
     """Bytes/s of the disk tier's own reads (O_DIRECT, `packet_bytes` at a time, one in
     flight) of a file written under `directory`, where the expert files live; median of 3
     passes. The file is removed afterwards."""
-    from moe_engine.offload.disk import DirectReader, DiskRead, Extent, aligned_empty
+    from moe_engine.offload.disk import DiskRead, Extent, sweep_read_rate
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -154,20 +154,9 @@ def measure_disk_read_bandwidth(directory: Path | str, nbytes: int = 256 << 20,
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        reader = DirectReader()
-        buf = aligned_empty(packet_bytes)
-        parts = DiskRead((Extent(str(path), 0, nbytes),)).split(packet_bytes)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for part in parts:
-                e = part.extents[0]
-                reader.read_into(buf, DiskRead((Extent(e.path, e.offset, e.nbytes, 0),)))
-            times.append(time.perf_counter() - t0)
-        reader.close()
+        return sweep_read_rate(DiskRead((Extent(str(path), 0, nbytes),)).split(packet_bytes))
     finally:
         path.unlink(missing_ok=True)
-    return nbytes / statistics.median(times)
 
 
 def measure_copy_bandwidth(nbytes: int) -> float:
