@@ -420,3 +420,59 @@ def test_a_disk_read_error_fails_the_shard_and_the_rerun_loses_no_row(model_dirs
     cols = ["id", "status", "output_token_ids"]
     assert resumed.select(cols).equals(reference.select(cols))
     assert resumed["id"].n_unique() == 10 and set(resumed["status"]) == {"ok"}
+
+
+def _disk_pipeline_tokens(model_dir, backend, monkeypatch, slots: int, **settings):
+    """Tokens of an engine whose experts are all left on disk, through a pipeline built on
+    `backend` with a ring of `slots` expert slots."""
+    import moe_engine.offload.build as build
+    from moe_engine.offload.build import OffloadSettings, build_offload_pipeline, expert_source
+    from moe_engine.offload.disk_tier import HostTierPlan
+    from moe_engine.offload.routing import find_profile
+
+    engine = LLMEngine(model_dir, CONFIG, dtype="float32")
+    spec = engine.spec
+    source = expert_source(model_dir, spec, engine.dtype, engine.expert_storage)
+    for layer in engine.runner.weights.layers:
+        layer.experts = [None] * len(layer.experts)
+    ratio = settings.pop("host_resident_ratio", 0.0)
+    monkeypatch.setattr(build, "plan_host_tier", lambda *a, **k: HostTierPlan(
+        round(ratio * spec.num_experts), spec.num_experts, slots))
+    engine.runner = build_offload_pipeline(
+        engine.runner, OffloadSettings(host_resident_ratio=ratio, **settings),
+        routing=find_profile(model_dir), backend=backend, experts=source)
+    try:
+        return {r.request_id: r.token_ids for r in engine.generate(
+            [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=8))
+             for i, p in enumerate(PROMPTS)])}
+    finally:
+        engine.runner.close()
+        engine.runner.pager.disk.close()
+        backend.close()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_per_micro_batch_grouping_with_a_ring_smaller_than_a_layer(mixtral_dir, monkeypatch,
+                                                                  slots):
+    """Each micro-batch needs the layer's experts again: an expert computed for one stays in
+    its slot until a read needs it, and a read needed now takes any slot not being computed."""
+    from moe_engine.offload.backend import CpuBackend
+
+    reference = _tokens(mixtral_dir, CONFIG)
+    assert _disk_pipeline_tokens(mixtral_dir, CpuBackend(), monkeypatch, slots,
+                                 group_ffn="micro_batch") == reference
+
+
+def test_three_tiers_on_a_device_that_is_not_the_host(mixtral_dir, monkeypatch):
+    """The CUDA path's order of tiers on the CPU: a backend that declares its device apart from
+    the host streams host-tier experts through the device ring and disk experts disk -> host
+    slot -> device ring (memcpys here, copies on CUDA); r_w 0.25 <= r_host 0.5."""
+    from moe_engine.offload.backend import CpuBackend
+
+    class DeviceApart(CpuBackend):
+        device_is_host = False
+
+    reference = _tokens(mixtral_dir, CONFIG)
+    assert _disk_pipeline_tokens(mixtral_dir, DeviceApart(), monkeypatch, 4,
+                                 host_resident_ratio=0.5, resident_ratio=0.25,
+                                 cpu_experts=False) == reference

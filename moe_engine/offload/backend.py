@@ -194,10 +194,6 @@ class Backend(ABC):
 
     name: str
     device: torch.device
-    # Whether device memory is host memory (the CPU backend): a host buffer is then already
-    # where compute reads it, and disk reads land in place.
-    device_is_host: bool = False
-
     @abstractmethod
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A device copy of a host tensor kept for the whole run (resident weights)."""
@@ -211,7 +207,8 @@ class Backend(ABC):
         """A flat device buffer (the page ring)."""
 
     # Whether the "device" is the host CPU itself (zero-copy placement, one latency curve for
-    # both sides in placement.py, the CPU attention kernels usable on device activations).
+    # both sides in placement.py, the CPU attention kernels usable on device activations, disk
+    # reads landing where compute reads them).
     device_is_host: bool = False
 
     @abstractmethod

@@ -128,14 +128,21 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     # Only streamed experts are placed by latency; fully resident (a calibration run, or a model
     # that fits) skips the measurement, which costs seconds for real expert sizes. Disk experts
     # are never placed (they run where they are read to).
-    if latency is None and resident_ratio < 1.0 and not settings.disk_tier:
-        proto = next(layer.experts[0] for layer in runner.weights.layers if layer.experts)
+    proto = next((x for layer in runner.weights.layers for x in layer.experts if x is not None),
+                 None)
+    host_streamed = not (settings.disk_tier and backend.device_is_host)
+    if latency is None and resident_ratio < 1.0 and host_streamed and proto is not None:
         latency = measure_expert_profile(backend, proto)
     if latency is not None and not settings.cpu_experts:
         latency = _without_cpu_experts(latency)
-    pager = WeightPager(runner.weights, backend, routing, resident_ratio,
-                        packet_bytes=settings.packet_bytes,
-                        budget_bytes=settings.device_memory_bytes, disk=disk)
+    try:
+        pager = WeightPager(runner.weights, backend, routing, resident_ratio,
+                            packet_bytes=settings.packet_bytes,
+                            budget_bytes=settings.device_memory_bytes, disk=disk)
+    except BaseException:  # its threads and files must not outlive a failed construction
+        if disk is not None:
+            disk.close()
+        raise
     runner.weights = pager.device_weights
     if not backend.device_is_host:
         _place_runner_state(runner, backend, pager, settings.attention_on_device)
@@ -187,10 +194,15 @@ def _disk_tier(runner: ModelRunner, experts: ExpertSource, routing: RoutingProfi
     """Read the host tier (each layer's hottest experts) into the runner's weights and open the
     disk tier for the rest."""
     reader = DirectReader(settings.disk_direct_io)
-    for i, layer in enumerate(runner.weights.layers):
-        for e in routing.resident_set(i, plan.ratio) if layer.experts else ():
-            if layer.experts[e] is None:
-                layer.experts[e] = experts.load(i, e, reader)
+    try:
+        experts.check(reader)  # the files are the ones the layout was taken from
+        for i, layer in enumerate(runner.weights.layers):
+            for e in routing.resident_set(i, plan.ratio) if layer.experts else ():
+                if layer.experts[e] is None:
+                    layer.experts[e] = experts.load(i, e, reader)
+    except BaseException:
+        reader.close()
+        raise
     log.info("disk tier: %d of %d experts per layer in host memory, a ring of %d expert slots "
              "(%.0f MB), reads %s", plan.host_experts, runner.spec.num_experts, plan.ring_slots,
              plan.ring_slots * experts.layout.nbytes / 1e6, reader.mode)

@@ -34,6 +34,7 @@ from moe_engine.offload.expert_store import ExpertSource
 from moe_engine.offload.trace import Trace
 
 DISK_LANE = "disk"
+_LAST = (float("inf"),)  # the order of an unpinned expert: later than every request
 Key = tuple[int, int]  # (layer, expert)
 
 
@@ -132,10 +133,22 @@ class DiskTier:
         with self._lock:
             slot = self._held.get(key)
             if slot is None:
-                busy = sorted(k for k, s in self._held.items() if s.in_use)
-                raise RuntimeError(f"disk tier: no ring slot for layer {layer} expert {expert}: "
-                                   f"all {self.num_slots} are in use by {busy} (release "
-                                   f"experts after computing them, or give the ring more slots)")
+                # Needed now: it takes the slot of any expert not being computed, whatever that
+                # one's order (read-ahead of a later layer, or one unpinned by `unpin`).
+                victims = [s for s in self._slots if not s.in_use]
+                if not victims:
+                    busy = sorted(k for k, s in self._held.items() if s.in_use)
+                    raise RuntimeError(
+                        f"disk tier: no ring slot for layer {layer} expert {expert}: all "
+                        f"{self.num_slots} are in use by {busy} (release experts after "
+                        f"computing them, or give the ring more slots)")
+                slot = max(victims, key=lambda s: (s.key is None, s.order))
+                if slot.key is not None:
+                    self._pending[slot.key] = slot.order
+                    self.stats.evictions += 1
+                    self._vacate(slot)
+                self._pending.pop(key, None)
+                self._issue(slot, key, order)
             slot.in_use = True
             handles = list(slot.handles)
         t0 = time.perf_counter()
@@ -156,6 +169,20 @@ class DiskTier:
             slot = self._held.get((layer, expert))
             if slot is not None:
                 self._vacate(slot, after)
+            self._fill()
+
+    def unpin(self, layer: int, expert: int, after: Optional[ComputeEvent] = None) -> None:
+        """The expert's compute was launched but it may be needed again soon (the next
+        micro-batch of the layer): its bytes stay, and its slot is the first any other read
+        takes, once the compute stream passed `after`."""
+        with self._lock:
+            slot = self._held.get((layer, expert))
+            if slot is None:
+                return
+            slot.in_use = False
+            slot.order = _LAST
+            if after is not None:
+                slot.free_after = after
             self._fill()
 
     def release_layer(self, layer: int, after: Optional[ComputeEvent] = None) -> None:

@@ -16,11 +16,13 @@ pager's host store holds and the device ring receives. Two sources give the byte
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -291,8 +293,11 @@ class ExpertFile:
         """
         key = cls.key(model_dir, spec, fmt)
         f = cls(Path(cache_dir or default_cache_dir()) / "experts" / key)
-        if not f.index.exists() or not f.data.exists():
-            f._build(model_dir, spec, dtype, fmt, convert, progress)
+        # Generate jobs of several shards may start at once: one builds, the others wait for
+        # it and read its file (two builds would swap the file under a reader).
+        with _exclusive(f.directory / ".lock"):
+            if not f.index.exists() or not f.data.exists():
+                f._build(model_dir, spec, dtype, fmt, convert, progress)
         return f._source()
 
     def _source(self) -> ExpertSource:
@@ -324,7 +329,7 @@ class ExpertFile:
                         layout = layout or ExpertLayout.of(expert)
                         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
                         layout.write(expert, buf)
-                        os.pwrite(fd, buf.numpy(), n * layout.nbytes)
+                        _write_all(fd, buf.numpy(), n * layout.nbytes)
                         offsets.append([key[0], key[1], n * layout.nbytes])
                         del expert, buf
                         _return_free_memory()
@@ -340,6 +345,26 @@ class ExpertFile:
                 "layout": layout.to_json(), "offsets": offsets,
                 "identity": file_identity(self.data).__dict__}
         write_text_atomic(self.index, json.dumps(meta))
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; released if the process dies."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data, offset: int) -> None:
+    """pwrite until every byte is written (a single call may write less, e.g. past 2 GB)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _return_free_memory() -> None:

@@ -242,13 +242,18 @@ class WeightPager:
     def is_on_disk(self, layer: int, expert: int) -> bool:
         return expert in self.on_disk[layer]
 
-    def _order(self, layer: int, expert: int) -> tuple[int, int]:
-        """When the step needs the expert: its layer's visit, then its hotness rank."""
+    def _visit(self, layer: int) -> int:
+        """The layer's visit number: assigned at its first prefetch (or wait) since its last
+        release, so layers are numbered in the order the step reaches them."""
         visit = self._visit_of.get(layer)
         if visit is None:
             visit = self._visit_of[layer] = self._visits
             self._visits += 1
-        return visit, self._rank[layer][expert]
+        return visit
+
+    def _order(self, layer: int, expert: int) -> tuple[int, int]:
+        """When the step needs the expert: its layer's visit, then its hotness rank."""
+        return self._visit(layer), self._rank[layer][expert]
 
     def bytes_to_move(self, layer: int, expert: int) -> int:
         """Bytes of the expert not yet on the device (0 for resident or landed experts)."""
@@ -265,7 +270,10 @@ class WeightPager:
     def issue_order(self, layer: int, expert: int) -> Optional[tuple[int, int]]:
         """When the expert's pages arrive relative to the layer's others (arrival order), None
         if not issued. Disk reads land after the host store's copies, in hotness order."""
-        if expert in self.on_disk[layer] and self.backend.device_is_host:
+        if expert in self.on_disk[layer] and (self.backend.device_is_host
+                                              or self.disk.requested(layer, expert)):
+            # Disk reads land after the host store's copies, in hotness order (on CUDA the
+            # device copy of a disk expert is issued when it is waited for).
             return (1, self._rank[layer][expert]) if self.disk.requested(layer, expert) else None
         slot = self._slot_of(layer)
         seq = None if slot is None else slot.issue_seq.get(expert)
@@ -280,6 +288,7 @@ class WeightPager:
     def prefetch(self, layer: int, experts: Optional[Iterable[int]] = None) -> None:
         """Queue the pages of `layer`'s streamed experts (default: all, hottest first); disk
         experts are read into the disk tier (on CUDA their device copy waits for `wait`)."""
+        self._visit(layer)  # the layer's visit starts now, before any later layer's
         if experts is None:
             experts = list(self.streamed[layer]) + sorted(
                 self.on_disk[layer] - set(self.streamed[layer]), key=self._rank[layer].get)
@@ -374,12 +383,18 @@ class WeightPager:
         self.stats.wait_s += time.perf_counter() - t0
         return self._view(slot.flat, self._position[layer][expert])
 
-    def done(self, layer: int, expert: int) -> None:
+    def done(self, layer: int, expert: int, again: bool = False) -> None:
         """The expert's compute has been launched: a disk expert's slot may take another read
-        once the compute stream has run it (the read waits on an event recorded now)."""
+        once the compute stream has run it (the read waits on an event recorded now). With
+        `again` (another micro-batch of the layer may route to it) its bytes stay until a read
+        needs the slot."""
         if self.disk is not None and expert in self.on_disk[layer] and \
                 self.backend.device_is_host:
-            self.disk.release(layer, expert, after=self.backend.record_compute_event())
+            event = self.backend.record_compute_event()
+            if again:
+                self.disk.unpin(layer, expert, after=event)
+            else:
+                self.disk.release(layer, expert, after=event)
 
     def cancel(self, layer: int, expert: int) -> None:
         """Drop the expert's queued packets (it will run on the CPU instead, or not at all this
@@ -387,7 +402,7 @@ class WeightPager:
         disk-tier slot: an unused read must not hold a slot the layer's other experts are
         waiting for."""
         if self.disk is not None and expert in self.on_disk[layer]:
-            self.disk.release(layer, expert)
+            self.disk.release(layer, expert, after=self.backend.record_compute_event())
         slot = self._slot_of(layer)
         if slot is None or expert not in slot.handles or expert in slot.waited:
             return

@@ -223,8 +223,7 @@ class OffloadPipeline:
         # of compute, a missing one stalls the layer for a whole expert read.
         disk = sorted((e for e in pager.on_disk[layer] if expected * freq[e] >= 0.5),
                       key=pager._rank[layer].get)
-        if hot or disk:
-            pager.prefetch(layer, hot + disk)
+        pager.prefetch(layer, hot + disk)  # also starts the layer's visit (disk read order)
 
     def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: Activation) -> Future:
         """Device norm + QKV of micro-batch j; its attention starts at once where it runs."""
@@ -313,10 +312,9 @@ class OffloadPipeline:
                 tokens, rows, rw = self._rows(h, weights, experts, e)
                 self.backend.launch(_add_expert_output, out, tokens, w, rows, rw)
             # Grouped by layer, each expert runs once per step: a disk expert's slot can take
-            # the next read once the compute stream has run this FFN. Per micro-batch it is
-            # needed again, so the layer's release frees it.
-            if self.group_ffn == "layer":
-                self.pager.done(layer, e)
+            # the next read once the compute stream has run this FFN. Per micro-batch the next
+            # one may need it again: its bytes stay until a read needs the slot.
+            self.pager.done(layer, e, again=self.group_ffn == "micro_batch")
         for e, job in cpu_jobs:
             t0 = time.perf_counter()
             tokens, result = job.result()
@@ -334,7 +332,7 @@ class OffloadPipeline:
             to_move = pager.bytes_to_move(layer, e)
             if pager.is_on_disk(layer, e):  # only where it is read to can it run
                 place = Place.device if counts[e] else Place.skip
-                if place is Place.skip:
+                if place is Place.skip and self.group_ffn == "layer":
                     pager.cancel(layer, e)  # read ahead for nothing: free its slot
             else:
                 place = self.placer.decide(counts[e], pager.is_resident(layer, e), to_move)
