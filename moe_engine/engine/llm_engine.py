@@ -90,22 +90,19 @@ class LLMEngine:
         self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,
                         tokenizer)
         self.threads = threads
-        if disk_tier:
-            # The plain runner has no experts to calibrate on: the pipeline records a missing
-            # routing profile for the next run (this one ranks experts by index).
-            routing = find_profile(model_dir)
-            source = expert_source(model_dir, self.spec, self.dtype, self.expert_storage)
+        if settings is not None:
+            # With the disk tier the plain runner has no experts to calibrate on: the pipeline
+            # records a missing routing profile for the next run (this one ranks by index).
+            routing = (find_profile(model_dir) if disk_tier
+                       else find_or_record_routing(self, model_dir, settings.resident_ratio))
+            source = (expert_source(model_dir, self.spec, self.dtype, self.expert_storage)
+                      if disk_tier else None)
             self.offload = build_offload_pipeline(self.runner, settings, routing=routing,
                                                   experts=source, loaded_bytes=self.loaded_bytes,
                                                   trace=trace)
             self.runner = self.offload
-            if routing is None:
+            if disk_tier and routing is None:
                 find_or_record_routing(self, model_dir, 0.0)
-        elif settings is not None:
-            routing = find_or_record_routing(self, model_dir, settings.resident_ratio)
-            self.offload = build_offload_pipeline(self.runner, settings, routing=routing,
-                                                  trace=trace)
-            self.runner = self.offload
 
     @classmethod
     def around(cls, runner, config: EngineConfig, num_blocks: int, vocab_size: int,

@@ -151,30 +151,25 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
                            group_ffn=settings.group_ffn, trace=trace)
 
 
-def expert_source(model_dir, spec, dtype, expert_storage: Optional[str],
-                  progress: bool = False) -> ExpertSource:
+def expert_source(model_dir, spec, dtype, expert_storage: Optional[str]) -> ExpertSource:
     """Where the disk tier reads experts: the checkpoint itself when the engine computes on its
     tensors as stored (torch GEMMs, the checkpoint's dtype), else the one-time expert file in
     the engine's form (`expert_storage`: the packed kernels' storage, None for torch)."""
-    import torch
-
     from moe_engine.model import packed
     from moe_engine.model.weights import ExpertWeights
 
+    name = str(dtype).replace("torch.", "")
     if expert_storage is None:
         source = checkpoint_source(model_dir, spec, dtype)
         if source is not None:
             return source
-        name = str(dtype).replace("torch.", "")
-        return ExpertFile.open_or_build(model_dir, spec, dtype, f"rowmajor-{name}",
-                                        lambda x: x, progress=progress)
+        return ExpertFile.open_or_build(model_dir, spec, dtype, f"rowmajor-{name}", lambda x: x)
 
     def pack(x: ExpertWeights) -> ExpertWeights:
         return packed.pack_expert(x.w13, x.w2, expert_storage)
 
-    fmt = f"packed{packed.NR}-{expert_storage}-from-{str(dtype).replace('torch.', '')}"
-    assert isinstance(dtype, torch.dtype)
-    return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack, progress=progress)
+    fmt = f"packed{packed.NR}-{expert_storage}-from-{name}"
+    return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack)
 
 
 def _step_state_bytes(runner: ModelRunner, settings: OffloadSettings) -> int:

@@ -173,13 +173,12 @@ class DirectReader:
             f = self._open(e.path)
             self._check_unchanged(f)
             try:
-                if f.direct and _aligned(e.offset, e.nbytes, dst.data_ptr() + e.dst_offset):
-                    self._pread_exact(f, _writable_view(dst, e.dst_offset, e.nbytes), e.offset)
-                elif f.direct:
+                if f.direct and not _aligned(e.offset, e.nbytes, dst.data_ptr() + e.dst_offset):
                     self._read_bounced(f, dst, e)
                 else:
                     self._pread_exact(f, _writable_view(dst, e.dst_offset, e.nbytes), e.offset)
-                    os.posix_fadvise(f.fd, e.offset, e.nbytes, os.POSIX_FADV_DONTNEED)
+                    if not f.direct:
+                        os.posix_fadvise(f.fd, e.offset, e.nbytes, os.POSIX_FADV_DONTNEED)
             except DiskReadError:
                 raise
             except OSError as exc:
@@ -202,13 +201,10 @@ class DirectReader:
 
     @staticmethod
     def _pread_exact(f: _OpenFile, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            n = os.preadv(f.fd, [view[done:]], offset + done)
-            if n == 0:
-                raise DiskReadError(errno.EIO, f"{f.path} ends at byte {offset + done}, before "
-                                    f"{offset + len(view)}: the file is truncated")
-            done += n
+        done = _pread_some(f, view, offset)
+        if done < len(view):
+            raise DiskReadError(errno.EIO, f"{f.path} ends at byte {offset + done}, before "
+                                f"{offset + len(view)}: the file is truncated")
 
     def _read_bounced(self, f: _OpenFile, dst: torch.Tensor, e: Extent) -> None:
         """An unaligned extent through an aligned bounce buffer, ALIGN-sized pieces at a time."""
@@ -236,7 +232,8 @@ class DirectReader:
 
 
 def _pread_some(f: _OpenFile, view: memoryview, offset: int) -> int:
-    """One aligned read that may stop early only at the end of the file."""
+    """Read into all of `view` from `offset`, stopping early only at the end of the file;
+    returns the bytes read."""
     done = 0
     while done < len(view):
         n = os.preadv(f.fd, [view[done:]], offset + done)

@@ -135,20 +135,14 @@ class DiskTier:
             if slot is None:
                 # Needed now: it takes the slot of any expert not being computed, whatever that
                 # one's order (read-ahead of a later layer, or one unpinned by `unpin`).
-                victims = [s for s in self._slots if not s.in_use]
-                if not victims:
+                slot = self._victim(later_than=None)
+                if slot is None:
                     busy = sorted(k for k, s in self._held.items() if s.in_use)
                     raise RuntimeError(
                         f"disk tier: no ring slot for layer {layer} expert {expert}: all "
                         f"{self.num_slots} are in use by {busy} (release experts after "
                         f"computing them, or give the ring more slots)")
-                slot = max(victims, key=lambda s: (s.key is None, s.order))
-                if slot.key is not None:
-                    self._pending[slot.key] = slot.order
-                    self.stats.evictions += 1
-                    self._vacate(slot)
-                self._pending.pop(key, None)
-                self._issue(slot, key, order)
+                self._assign(slot, key, order)
             slot.in_use = True
             handles = list(slot.handles)
         t0 = time.perf_counter()
@@ -224,17 +218,29 @@ class DiskTier:
         while self._pending:
             key = min(self._pending, key=self._pending.__getitem__)
             order = self._pending[key]
-            slot = next((s for s in self._slots if s.key is None), None)
+            slot = self._victim(later_than=order)
             if slot is None:
-                victims = [s for s in self._slots if not s.in_use and s.order > order]
-                if not victims:
-                    return
-                slot = max(victims, key=lambda s: s.order)
-                self._pending[slot.key] = slot.order
-                self.stats.evictions += 1
-                self._vacate(slot)
-            del self._pending[key]
-            self._issue(slot, key, order)
+                return
+            self._assign(slot, key, order)
+
+    def _victim(self, later_than: Optional[tuple]) -> Optional[_RingSlot]:
+        """A free slot, else the slot of the latest-ordered expert not in use (and ordered
+        after `later_than`, unless that is None), else None."""
+        free = next((s for s in self._slots if s.key is None), None)
+        if free is not None:
+            return free
+        victims = [s for s in self._slots
+                   if not s.in_use and (later_than is None or s.order > later_than)]
+        return max(victims, key=lambda s: s.order) if victims else None
+
+    def _assign(self, slot: _RingSlot, key: Key, order: tuple) -> None:
+        """Give `slot` to `key`: its occupant, if any, is requested again for later."""
+        if slot.key is not None:
+            self._pending[slot.key] = slot.order
+            self.stats.evictions += 1
+            self._vacate(slot)
+        self._pending.pop(key, None)
+        self._issue(slot, key, order)
 
     def _issue(self, slot: _RingSlot, key: Key, order: tuple) -> None:
         layer, expert = key

@@ -284,8 +284,7 @@ class ExpertFile:
     @classmethod
     def open_or_build(cls, model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
                       fmt: str, convert: Callable[[ExpertWeights], ExpertWeights],
-                      cache_dir: Optional[str | Path] = None, progress: bool = False
-                      ) -> ExpertSource:
+                      cache_dir: Optional[str | Path] = None) -> ExpertSource:
         """The expert file of (checkpoint, fmt) under the cache dir, built first if missing.
 
         `convert` maps a row-major expert in `dtype` to the engine's form of it (packing,
@@ -297,7 +296,7 @@ class ExpertFile:
         # it and read its file (two builds would swap the file under a reader).
         with _exclusive(f.directory / ".lock"):
             if not f.index.exists() or not f.data.exists():
-                f._build(model_dir, spec, dtype, fmt, convert, progress)
+                f._build(model_dir, spec, dtype, fmt, convert)
         return f._source()
 
     def _source(self) -> ExpertSource:
@@ -313,7 +312,7 @@ class ExpertFile:
         return ExpertSource(layout, reads, {path: identity}, "expert-file")
 
     def _build(self, model_dir, spec: ModelSpec, dtype: torch.dtype, fmt: str,
-               convert: Callable[[ExpertWeights], ExpertWeights], progress: bool) -> None:
+               convert: Callable[[ExpertWeights], ExpertWeights]) -> None:
         refs = expert_tensors(model_dir, spec)
         keys = sorted(refs)
         reader = DirectReader()
@@ -324,7 +323,7 @@ class ExpertFile:
             with atomic_path(self.data) as tmp:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    for n, key in enumerate(_progress(keys, progress, "expert file")):
+                    for n, key in enumerate(keys):
                         expert = convert(read_expert(refs[key], dtype, reader))
                         layout = layout or ExpertLayout.of(expert)
                         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -377,14 +376,6 @@ def _return_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _progress(items: list, enabled: bool, desc: str) -> Iterator:
-    if not enabled:
-        return iter(items)
-    from tqdm import tqdm
-
-    return iter(tqdm(items, desc=desc, unit="expert"))
 
 
 __all__ = ["ExpertFile", "ExpertLayout", "ExpertSource", "TensorRef", "TensorSlot",

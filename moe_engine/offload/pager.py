@@ -371,15 +371,14 @@ class WeightPager:
             slot = self._claim(layer)
         t0 = time.perf_counter()
         slot.waited.add(expert)
-        if disk and expert not in slot.handles:  # disk -> host slot -> device ring
+        from_disk = disk and expert not in slot.handles
+        if from_disk:  # disk -> host slot -> device ring
             landed = self.disk.wait_bytes(layer, expert, self._order(layer, expert))
             self._issue(slot, layer, expert, src=landed)
-            for h in slot.handles[expert]:
-                self.backend.compute_after(h)
-            # The device copy was the disk slot's only reader, and it has landed.
-            self.disk.release(layer, expert)
         for h in slot.handles[expert]:
             self.backend.compute_after(h)
+        if from_disk:  # the device copy was the disk slot's only reader, and it has landed
+            self.disk.release(layer, expert)
         self.stats.wait_s += time.perf_counter() - t0
         return self._view(slot.flat, self._position[layer][expert])
 

@@ -221,8 +221,8 @@ class OffloadPipeline:
         # A disk expert can only run once read, so every one the step is likely to route a
         # token to is read ahead (hottest first): a wasted read costs link time in the shadow
         # of compute, a missing one stalls the layer for a whole expert read.
-        disk = sorted((e for e in pager.on_disk[layer] if expected * freq[e] >= 0.5),
-                      key=pager._rank[layer].get)
+        disk = [e for e in pager.profile.ranking(layer)
+                if e in pager.on_disk[layer] and expected * freq[e] >= 0.5]
         pager.prefetch(layer, hot + disk)  # also starts the layer's visit (disk read order)
 
     def _pre_attention(self, layer: int, j: int, mb: MicroBatchInput, act: Activation) -> Future:
