@@ -25,6 +25,11 @@ docs/img/disk_tier_timeline.png.
 
   .venv/bin/python bench/disk_tier.py                 # 64 prompts x 128 tokens, 32 new tokens
   .venv/bin/python bench/disk_tier.py --requests 128 --rounds 3
+  python bench/disk_tier.py --backend cuda --threads 16   # on a GPU machine: three tiers
+
+With --backend cuda the device holds no expert (resident_ratio 0, torch GEMMs on the GPU): the
+host tier's experts cross the host link and disk experts go disk -> host slot -> device ring.
+The prediction (the CPU model) and the RSS check (CUDA's own host allocations) are skipped there.
 
 Last line: RESULT tok_s_ratio=<r_host 0 vs 1> overlap_fraction=<hidden / min(compute, disk)>
 prediction_accuracy=<1-|pred-meas|/meas at r_host 0> rss_over_budget=<peak growth / budget>
@@ -168,16 +173,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-gb", type=float, default=0.3)
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--figure", default=str(REPO / "docs" / "img" / "disk_tier_timeline.png"))
     args = ap.parse_args()
 
+    torch.set_num_threads(args.threads)
     path = bench_checkpoint(args.model)
     print(machine_info.header(args.threads))
+    cuda = args.backend == "cuda"
+    if cuda:
+        print(f"# device: {torch.cuda.get_device_name(0)}, torch CUDA {torch.version.cuda}")
     print(f"date {_dt.date.today()}  model {path}  requests {args.requests} x {args.prompt_len} "
           f"tokens, {args.new_tokens} new (EOS ignored), bf16")
     reqs = workload(args.requests, args.prompt_len, args.new_tokens, 8000)
     base = EngineConfig(threads=args.threads, kv_cache_gb=0.25, max_num_seqs=args.requests,
-                        max_prefill_tokens=2048, num_micro_batches=2)
+                        max_prefill_tokens=2048, num_micro_batches=2,
+                        **(dict(backend="cuda", gemm="torch", resident_ratio=0.0,
+                                cpu_experts=False) if cuda else {}))
 
     def config(r: float) -> EngineConfig:
         return base if r >= 1.0 else EngineConfig(**{**base.__dict__, "host_resident_ratio": r})
@@ -205,7 +217,8 @@ def main() -> None:
         d = statistics.median(x["disk_busy"] for x in runs[r])
         w = statistics.median(x.get("wait", 0.0) for x in runs[r])
         nbytes = statistics.median(x["disk_bytes"] for x in runs[r])
-        pred, profiled_gbps = predicted_tok_s(path, config(r), reqs, r, disk_gbps)
+        pred, profiled_gbps = ((float("nan"), float("nan")) if cuda else
+                               predicted_tok_s(path, config(r), reqs, r, disk_gbps))
         hidden = d - w
         compute = s - w
         overlap = hidden / min(compute, d) if d > 0 else float("nan")
@@ -221,23 +234,27 @@ def main() -> None:
     zero = rows[0.0]
     accuracy = 1.0 - abs(zero["pred"] - zero["tok_s"]) / zero["tok_s"]
     achieved = zero["disk_bytes"] / zero["disk_busy"] / 1e9
-    at_achieved, _ = predicted_tok_s(path, config(0.0), reqs, 0.0, achieved)
-    print(f"diagnostic: at the {achieved:.2f} GB/s the r_host=0 runs' reader achieved, the model "
-          f"predicts {at_achieved:.1f} tok/s (accuracy "
-          f"{1.0 - abs(at_achieved - zero['tok_s']) / zero['tok_s']:.3f})")
+    if not cuda:
+        at_achieved, _ = predicted_tok_s(path, config(0.0), reqs, 0.0, achieved)
+        print(f"diagnostic: at the {achieved:.2f} GB/s the r_host=0 runs' reader achieved, the "
+              f"model predicts {at_achieved:.1f} tok/s (accuracy "
+              f"{1.0 - abs(at_achieved - zero['tok_s']) / zero['tok_s']:.3f})")
     print(f"\ndisk rate {disk_gbps:.2f} GB/s measured now (the machine profile says "
           f"{profiled_gbps:.2f}); C (r_host 1) = {c:.2f} s")
-    rss = rss_check(path, args.budget_gb, 0.05, 16)
-    print(f"RSS under host_memory_gb={args.budget_gb} kv_cache_gb=0.05: growth "
-          f"{rss['growth'] / 1e6:.0f} MB over a {rss['base'] / 1e6:.0f} MB runtime, ring "
-          f"{rss['slots']} slots, {rss['ratio']:.3f} of the budget")
+    rss = dict(ratio=float("nan"))
+    if not cuda:
+        rss = rss_check(path, args.budget_gb, 0.05, 16)
+        print(f"RSS under host_memory_gb={args.budget_gb} kv_cache_gb=0.05: growth "
+              f"{rss['growth'] / 1e6:.0f} MB over a {rss['base'] / 1e6:.0f} MB runtime, ring "
+              f"{rss['slots']} slots, {rss['ratio']:.3f} of the budget")
     # Two decode steps of the last round's r_host=0 run (its last steps: every sequence is
     # still in the batch, EOS being ignored); the trace holds that run only.
     steps = len([x for x in trace.spans("device") if x.label == "embed"])
     spans = decode_window(trace, max(0, steps - 3), 2)
     if spans:
         plot_timeline(spans, Path(args.figure),
-                      f"small-mixtral bf16, r_host=0 (every expert read from disk with O_DIRECT), "
+                      f"small-mixtral bf16 on {args.backend}, r_host=0 (every expert read from "
+                      f"disk with O_DIRECT), "
                       f"{args.requests} sequences: two decode steps")
         print(f"figure: {args.figure}")
     print(f"RESULT tok_s_ratio={zero['tok_s'] / rows[1.0]['tok_s']:.3f} "
@@ -246,5 +263,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(2)
     main()

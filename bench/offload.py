@@ -8,11 +8,14 @@ and reports hidden = C + T - S (serial execution hides nothing; perfect overlap 
 The last offloaded run's trace is saved (JSON) and drawn as a timeline (PNG) of a window of
 decode steps: the figure of docs/offload.md.
 
-The link is emulated (CpuBackend sleeps bytes/bandwidth per packet in its copy thread): this
-machine has no accelerator. Device compute and CPU attention are real work on the 2 cores.
+On the CPU backend the link is emulated (CpuBackend sleeps bytes/bandwidth per packet in its
+copy thread) and device compute and CPU attention are real work on the same cores. With
+`--backend cuda` the device is the GPU and the link is its real PCIe/NVLink host link (pinned
+host pages, copies on their own stream); `--link-gbps` is ignored there.
 
   .venv/bin/python bench/offload.py                        # small-mixtral, R=0.5
   .venv/bin/python bench/offload.py --model tiny --ratio 0.0 --link-gbps 0.5
+  python bench/offload.py --backend cuda --ratio 0.0 --requests 128   # on a GPU machine
 """
 from __future__ import annotations
 
@@ -135,6 +138,7 @@ def main() -> None:
     ap.add_argument("--model", default="small-mixtral")
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--link-gbps", type=float, default=4.0)
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=2)
@@ -145,12 +149,25 @@ def main() -> None:
     ap.add_argument("--trace", default=str(REPO / "results" / "benchmarks" / "offload_trace.json"))
     args = ap.parse_args()
 
+    from moe_engine.tools import machine_info
+
+    print(machine_info.header(os.cpu_count()), flush=True)
+    if args.backend == "cuda":
+        import torch
+
+        print(f"# device: {torch.cuda.get_device_name(0)}, torch CUDA {torch.version.cuda}",
+              flush=True)
     path = model_dir(args.model)
-    config = EngineConfig(threads=0, kv_cache_gb=0.25, num_micro_batches=args.micro_batches)
+    # A GPU pipeline computes with torch GEMMs on torch-layout weights.
+    config = EngineConfig(threads=0, kv_cache_gb=0.25, num_micro_batches=args.micro_batches,
+                          gemm="torch" if args.backend == "cuda" else "auto")
     reqs = requests(args.requests, args.new_tokens)
-    resident = OffloadSettings(resident_ratio=1.0)
-    offloaded = OffloadSettings(resident_ratio=args.ratio, cpu_experts=args.cpu_experts,
-                                emulated_link_gbps=args.link_gbps)
+    cuda = args.backend == "cuda"
+    link = None if cuda else args.link_gbps
+    link_name = "real host link" if cuda else f"emulated link {args.link_gbps} GB/s"
+    resident = OffloadSettings(backend=args.backend, resident_ratio=1.0)
+    offloaded = OffloadSettings(backend=args.backend, resident_ratio=args.ratio,
+                                cpu_experts=args.cpu_experts, emulated_link_gbps=link)
     run(path, config, resident, reqs[:2])  # warm-up
     cs, ss, ts = [], [], []
     trace = Trace()
@@ -163,15 +180,19 @@ def main() -> None:
     c, s, t = statistics.median(cs), statistics.median(ss), statistics.median(ts)
     hidden = c + t - s
     totals = last["totals"]
-    print(f"model={path.name} ratio={args.ratio} link={args.link_gbps} GB/s (emulated) "
+    print(f"model={path.name} backend={args.backend} ratio={args.ratio} {link_name} "
           f"requests={args.requests} new_tokens={args.new_tokens}")
+    moved = totals.bytes_moved
+    print(f"link: {moved / 1e9:.2f} GB moved in the last run, {moved / 1e9 / t:.1f} GB/s while "
+          f"busy; new tok/s resident {args.requests * args.new_tokens / c:.0f}, offloaded "
+          f"{args.requests * args.new_tokens / s:.0f}")
     print(f"C (all resident)={c:.3f}s  T (link busy)={t:.3f}s  S (offloaded)={s:.3f}s  "
           f"C+T={c + t:.3f}s  hidden={hidden:.3f}s = {hidden / min(c, t):.0%} of min(C, T)")
     print(f"last run: {totals.to_dict()}")
     trace.save(args.trace)
     spans = window(trace, 2, 2)
     plot(spans, Path(args.figure),
-         f"{path.name}, r_w={args.ratio}, emulated link {args.link_gbps} GB/s: two decode "
+         f"{path.name}, r_w={args.ratio}, {link_name}: two decode "
          f"steps (C={c:.2f}s, T={t:.2f}s, S={s:.2f}s for the run)")
     print(f"trace: {args.trace}\nfigure: {args.figure}")
     print(f"RESULT compute_s={c:.4f} link_s={t:.4f} offloaded_s={s:.4f} "

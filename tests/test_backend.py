@@ -125,17 +125,25 @@ def test_cuda_copy_lands_and_urgent_copy_overtakes_queued_packets():
         packet = torch.randn(8 << 20)  # 32 MB per packet
         src = b.host_store(packet)
         assert src.is_pinned()
-        ring = b.empty(16 * packet.numel(), packet.dtype)
-        layer = [b.copy_async(ring[i * packet.numel():(i + 1) * packet.numel()], src)
-                 for i in range(16)]
+        # 2 GB of packets: tens of ms even over a PCIe 5 link, far longer than queueing them.
+        ring = b.empty(64 * packet.numel(), packet.dtype)
         dst = b.empty(4, torch.float32)
+        b.synchronize()
+        t0 = time.perf_counter()
+        layer = [b.copy_async(ring[i * packet.numel():(i + 1) * packet.numel()], src)
+                 for i in range(64)]
         urgent = b.copy_async(dst, torch.arange(4.0), urgent=True)
+        queued = time.perf_counter() - t0
         urgent.wait()
-        assert sum(h.done() for h in layer) < len(layer)
+        landed = sum(h.done() for h in layer)
+        assert landed < len(layer), (
+            f"all packets landed before the urgent copy (queued in {queued * 1e3:.2f} ms, "
+            f"urgent done after {(time.perf_counter() - t0) * 1e3:.2f} ms)")
         for h in layer:
             b.compute_after(h)
         b.synchronize()
         assert torch.equal(ring[:packet.numel()].cpu(), packet)
+        assert torch.equal(ring[-packet.numel():].cpu(), packet)
         assert torch.equal(dst.cpu(), torch.arange(4.0))
     finally:
         b.close()

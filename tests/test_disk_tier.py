@@ -476,3 +476,36 @@ def test_three_tiers_on_a_device_that_is_not_the_host(mixtral_dir, monkeypatch):
     assert _disk_pipeline_tokens(mixtral_dir, DeviceApart(), monkeypatch, 4,
                                  host_resident_ratio=0.5, resident_ratio=0.25,
                                  cpu_experts=False) == reference
+
+
+def _first_logits(model_dir, config: EngineConfig) -> dict[str, torch.Tensor]:
+    seen = []
+    with LLMEngine(model_dir, config, dtype="float32") as engine:
+        engine.logits_observer = lambda seqs, logits: seen.append(
+            {s.request_id: row for s, row in zip(seqs, logits.float().cpu())})
+        list(engine.generate([Request(f"r{i}", prompt=p,
+                                      sampling=SamplingParams(max_new_tokens=8))
+                              for i, p in enumerate(PROMPTS)]))
+    return seen[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe"])
+def test_three_tiers_on_cuda(model_dirs, preset):
+    """Device, host and disk on a real GPU: disk experts go disk -> host slot -> device ring,
+    so the tokens are those of the same CUDA run with every expert in host memory, and the
+    prefill logits those of the CPU engine (GPU GEMMs round differently)."""
+    model_dir = model_dirs(preset)
+    cuda = replace(CONFIG, backend="cuda", resident_ratio=0.25, cpu_experts=False)
+    reference = _tokens(model_dir, cuda)
+    for ratio in (0.5, 0.25):
+        assert _tokens(model_dir, replace(cuda, host_resident_ratio=ratio,
+                                          disk_read_mb=0.01)) == reference, ratio
+    with LLMEngine(model_dir, replace(cuda, host_resident_ratio=0.25), dtype="float32") as engine:
+        list(engine.generate([Request("r", prompt=PROMPTS[0],
+                                      sampling=SamplingParams(max_new_tokens=4))]))
+        assert engine.offload.pager.disk.stats.reads > 0
+    cpu = _first_logits(model_dir, CONFIG)
+    gpu = _first_logits(model_dir, replace(cuda, host_resident_ratio=0.25))
+    for rid, row in cpu.items():
+        assert torch.allclose(gpu[rid], row, atol=1e-3, rtol=1e-3), rid

@@ -3,6 +3,7 @@ resident, wherever attention and experts run, and however the FFN is grouped, fo
 supported architecture (dense layers and shared experts stay resident)."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -51,7 +52,9 @@ def reference(model_dir):
 
 
 def _offloaded(model_dir, settings: OffloadSettings, **kwargs):
-    engine = LLMEngine(model_dir, CONFIG, dtype="float32")
+    # A GPU pipeline computes with torch GEMMs: its engine loads torch-layout weights.
+    config = CONFIG if settings.backend == "cpu" else dataclasses.replace(CONFIG, gemm="torch")
+    engine = LLMEngine(model_dir, config, dtype="float32")
     engine.runner = build_offload_pipeline(engine.runner, settings, routing=find_profile(model_dir),
                                            **kwargs)
     return engine
@@ -197,3 +200,15 @@ def test_cuda_pipeline_matches_the_cpu_engine(model_dir, attention_on_device):
     for rid, row in expected.items():
         assert torch.allclose(got[rid], row, atol=1e-3, rtol=1e-3), rid
     engine.runner.close()
+
+
+def test_a_gpu_pipeline_refuses_weights_packed_for_the_cpu_kernels(tiny_mixtral_dir):
+    """The CPU kernels' panels mean nothing to torch GEMMs on a device apart from the host: the
+    mistake is named before any backend starts (no CUDA needed to see it)."""
+    from moe_engine.model import packed
+
+    if not packed.HAS_PACKED_KERNELS:
+        pytest.skip("kernels not built")
+    engine = LLMEngine(tiny_mixtral_dir, CONFIG, dtype="float32")
+    with pytest.raises(ValueError, match="engine.backend=cuda.*packed for the CPU kernels"):
+        build_offload_pipeline(engine.runner, OffloadSettings(backend="cuda", resident_ratio=0.5))

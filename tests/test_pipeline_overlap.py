@@ -3,6 +3,7 @@ transfers with compute, and the trace shows hot experts computed first while col
 still in the link."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 import time
@@ -147,7 +148,8 @@ def test_trace_shows_hot_experts_first_while_cold_ones_stream(slow_link_trace):
 
 @pytest.mark.gpu
 def test_cuda_step_overlaps_copies_with_compute(tiny_mixtral_dir):
-    engine = LLMEngine(tiny_mixtral_dir, CONFIG, dtype="float32")
+    engine = LLMEngine(tiny_mixtral_dir, dataclasses.replace(CONFIG, gemm="torch"),
+                       dtype="float32")
     trace = Trace()
     pipe = build_offload_pipeline(engine.runner, OffloadSettings(
         backend="cuda", resident_ratio=0.0, cpu_experts=False), trace=trace)

@@ -341,7 +341,8 @@ class CudaBackend(Backend):
     by the copy worker. The worker waits on each packet's event before it issues the next, so
     at most one packet occupies the link and a completed handle means the bytes have landed.
 
-    This path has not yet run on a GPU (none was available while it was written).
+    Run on an NVIDIA H100 (2026-11-24): the `gpu` tests and the offload and disk-tier
+    benchmarks (docs/offload.md, "On a GPU").
     """
 
     name = "cuda"

@@ -100,6 +100,12 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     asynchronous CPU test backend, which the configuration does not offer).
     """
     spec = runner.spec
+    if settings.backend != "cpu" and _packed_for_cpu(runner):
+        # A device apart from the host runs torch GEMMs on torch-layout weights; the CPU
+        # kernels' panels (and their int8/int4 scales) mean nothing there.
+        raise ValueError(f"engine.backend={settings.backend} computes with torch GEMMs, but the "
+                         "runner holds weights packed for the CPU kernels: load the engine with "
+                         f"engine.backend={settings.backend} (or engine.gemm=torch)")
     if backend is None:
         backend = make_backend(settings.backend, settings.emulated_link_gbps, trace)
     resident_ratio = settings.resident_ratio
@@ -218,3 +224,10 @@ def _place_runner_state(runner: ModelRunner, backend, pager: WeightPager,
 def _without_cpu_experts(latency: ExpertLatencyProfile) -> ExpertLatencyProfile:
     return ExpertLatencyProfile(LatencyCurve.linear(_NEVER_ON_CPU, _NEVER_ON_CPU),
                                 latency.device, latency.link_bytes_per_s, latency.expert_bytes)
+
+
+def _packed_for_cpu(runner: ModelRunner) -> bool:
+    """Whether the runner's weights are laid out for the packed CPU kernels (engine.gemm)."""
+    from moe_engine.model.packed import PackedLinear
+
+    return any(isinstance(layer.dense.wqkv, PackedLinear) for layer in runner.weights.layers)
