@@ -10,13 +10,13 @@ with r_host (experts per layer in host memory) in {1, 0.5, 0.25, 0}, interleaved
              perfect overlap min(C, D)); overlap = hidden / min(C, D);
   predicted  the performance model's tok/s for the same policy and workload, on this machine's
              cached hardware profile with its disk rate replaced by the one measured in this run
-             (below): this VM's virtual disk reads a file at 1.1-2.1 GB/s depending on what the
+             (below): this VM's virtual disk reads a file at 1.0-2.2 GB/s depending on what the
              host caches, so a rate measured earlier on another file says little;
   bound      tokens / max(C1, bytes read / the disk rate), C1 the r_host=1 run's wall time
              (compute with every expert in memory): the slower resource alone.
 The disk rate is measured in the same run: the whole expert file read with the tier's own reader
-(O_DIRECT, 16 MiB reads) before each round, median over rounds (it moves between 1.2 and 1.8 GB/s
-from one minute to the next on this VM). The prediction at the rate the runs' reader achieved is
+(O_DIRECT, 16 MiB reads) right before each run that reads the disk, median over that r_host's
+rounds (it moves between 1.0 and 2.2 GB/s from one minute to the next on this VM). The prediction at the rate the runs' reader achieved is
 printed too, as a diagnostic (it is partly measured, so it is not the RESULT).
 Then a fresh process runs under engine.host_memory_gb=0.3 and reports its peak RSS growth over
 its runtime (interpreter, torch, tokenizer) against host_memory_gb + kv_cache_gb.
@@ -196,16 +196,20 @@ def main() -> None:
 
     # Warm-up: builds the expert file and the routing profile once, outside the timed runs.
     run(path, config(0.0), reqs[:2])
-    rates = []
     runs: dict[float, list[dict]] = {r: [] for r in RATIOS}
+    # The disk rate of a run is measured right before it: this VM's disk moves between 1.0 and
+    # 2.2 GB/s from one minute to the next, so a rate taken a round earlier says little.
+    rates: dict[float, list[float]] = {r: [] for r in RATIOS if r < 1.0}
     trace = Trace()
     for _ in range(args.rounds):
-        rates.append(expert_file_read_gbps(path, passes=1))
         for r in RATIOS:
+            if r < 1.0:
+                rates[r].append(expert_file_read_gbps(path, passes=1))
             runs[r].append(run(path, config(r), reqs, trace=trace if r == 0.0 else None))
-    disk_gbps = statistics.median(rates)
-    print(f"expert file read at {', '.join(f'{x:.2f}' for x in rates)} GB/s before each round "
-          f"(O_DIRECT, 16 MiB reads): {disk_gbps:.2f} GB/s")
+    for r, xs in rates.items():
+        print(f"r_host {r}: expert file read at {', '.join(f'{x:.2f}' for x in xs)} GB/s right "
+              f"before its runs (O_DIRECT, 16 MiB reads)")
+    disk_gbps = statistics.median(x for xs in rates.values() for x in xs)
     c = statistics.median(x["wall"] for x in runs[1.0])
     tokens = runs[1.0][0]["tokens"]
     rows = {}
@@ -217,12 +221,13 @@ def main() -> None:
         d = statistics.median(x["disk_busy"] for x in runs[r])
         w = statistics.median(x.get("wait", 0.0) for x in runs[r])
         nbytes = statistics.median(x["disk_bytes"] for x in runs[r])
+        rate = statistics.median(rates[r]) if r in rates else disk_gbps
         pred, profiled_gbps = ((float("nan"), float("nan")) if cuda else
-                               predicted_tok_s(path, config(r), reqs, r, disk_gbps))
+                               predicted_tok_s(path, config(r), reqs, r, rate))
         hidden = d - w
         compute = s - w
         overlap = hidden / min(compute, d) if d > 0 else float("nan")
-        bound = tokens / max(c, nbytes / (disk_gbps * 1e9))
+        bound = tokens / max(c, nbytes / (rate * 1e9))
         rows[r] = dict(tok_s=tokens / s, wall=s, disk_busy=d, disk_bytes=nbytes, hidden=hidden,
                        overlap=overlap, pred=pred, bound=bound, compute=compute, wait=w)
         last = runs[r][-1]
@@ -239,7 +244,7 @@ def main() -> None:
         print(f"diagnostic: at the {achieved:.2f} GB/s the r_host=0 runs' reader achieved, the "
               f"model predicts {at_achieved:.1f} tok/s (accuracy "
               f"{1.0 - abs(at_achieved - zero['tok_s']) / zero['tok_s']:.3f})")
-    print(f"\ndisk rate {disk_gbps:.2f} GB/s measured now (the machine profile says "
+    print(f"\ndisk rate {disk_gbps:.2f} GB/s measured now, median (the machine profile says "
           f"{profiled_gbps:.2f}); C (r_host 1) = {c:.2f} s")
     rss = dict(ratio=float("nan"))
     if not cuda:
