@@ -40,3 +40,22 @@ def test_resumed_rows_are_excluded_from_throughput():
     assert summary["measured_tok_s"] == pytest.approx((100 + 80) / 4.0)  # was (100 + 200) / 4
     assert [s["tok_s"] for s in summary["shards"]] == pytest.approx([50.0, 40.0])
     assert summary["completion_tokens"] == 300 and summary["timed_completion_tokens"] == 180
+
+
+def test_weight_traffic_is_summed_over_shards_and_shown():
+    from moe_engine.stages.report import _markdown
+
+    offload = {"bytes_moved": 2e9, "disk_bytes_read": 3e9, "disk_busy_time_s": 2.0,
+               "transfer_wait_time_s": 0.5, "steps": 7}
+    shards = [ShardSummary(str(i), 10, 10, 0, 100, 2.0, {"offload": offload},
+                           generated_completion_tokens=100) for i in range(2)]
+    summary = summarize(_merged(20), shards, None)
+    assert summary["offload"] == {"bytes_moved": 4e9, "disk_bytes_read": 6e9,
+                                  "disk_busy_time_s": 4.0, "transfer_wait_time_s": 1.0}
+    text = _markdown(summary, {}, None)
+    assert ("weight offloading: 4.00 GB over the host link; disk tier: 6.00 GB read at 1.50 GB/s "
+            "(reader busy 4.0 s); compute blocked on weights 1.0 s") in text
+    resident = summarize(_merged(10), [ShardSummary("0", 10, 10, 0, 100, 2.0, {},
+                                                    generated_completion_tokens=100)], None)
+    assert resident["offload"] is None
+    assert "weight offloading: none (every expert resident)" in _markdown(resident, {}, None)

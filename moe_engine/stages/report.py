@@ -109,6 +109,7 @@ def summarize(merged: pl.DataFrame, shards: list[ShardSummary], policy: dict | N
         "bottleneck": (policy or {}).get("bottleneck"),
         "policy": (policy or {}).get("policy"),
         "preemptions": sum(int(s.engine.get("preemptions", 0)) for s in shards),
+        "offload": _offload_totals(shards),
         "kernels": sorted({f"GEMM: {s.engine['gemm_path']}; attention: {s.engine['attention_path']}"
                            for s in shards if s.engine.get("gemm_path")}),
         "shards": [{"shard": s.shard, "rows": s.rows, "generated_rows": s.generated_rows,
@@ -119,6 +120,29 @@ def summarize(merged: pl.DataFrame, shards: list[ShardSummary], policy: dict | N
                     "kv_blocks_total": s.engine.get("kv_blocks_total"),
                     "preemptions": s.engine.get("preemptions")} for s in shards],
     }
+
+
+def _offload_totals(shards: list[ShardSummary]) -> dict[str, float] | None:
+    """Weight traffic over the shards' `generate` calls: bytes over the host->device link, bytes
+    read from disk, the disk reader's busy time and the time compute blocked on either; None
+    when every shard ran with every expert resident (no offload pipeline)."""
+    keys = ("bytes_moved", "disk_bytes_read", "disk_busy_time_s", "transfer_wait_time_s")
+    stats = [s.engine.get("offload") or {} for s in shards]
+    if not any(stats):
+        return None
+    return {k: float(sum(x.get(k) or 0 for x in stats)) for k in keys}
+
+
+def _offload_line(totals: dict[str, float] | None) -> str:
+    if totals is None:
+        return "- weight offloading: none (every expert resident)"
+    line = f"- weight offloading: {totals['bytes_moved'] / 1e9:.2f} GB over the host link"
+    if totals["disk_bytes_read"]:
+        busy = totals["disk_busy_time_s"]
+        rate = f" at {totals['disk_bytes_read'] / busy / 1e9:.2f} GB/s" if busy > 0 else ""
+        line += (f"; disk tier: {totals['disk_bytes_read'] / 1e9:.2f} GB read{rate} "
+                 f"(reader busy {busy:.1f} s)")
+    return line + f"; compute blocked on weights {totals['transfer_wait_time_s']:.1f} s"
 
 
 def _predicted_tok_s(policy: dict | None) -> float | None:
@@ -264,6 +288,7 @@ def _markdown(summary: dict, plots: dict[str, Path], base: Path) -> str:
         f"- bottleneck named by the performance model: {summary['bottleneck'] or 'n/a'}",
         f"- policy: `{json.dumps(summary['policy'])}`" if summary["policy"] else "- policy: from config",
         f"- preemptions: {summary['preemptions']}",
+        _offload_line(summary.get("offload")),
         f"- kernels: {' | '.join(summary['kernels']) or 'n/a'}", "",
         "## Shards", "",
         "| shard | rows | generated | resumed | tokens | tokens timed | time (s) | tok/s | KV high-water / total | preemptions |",
