@@ -42,7 +42,6 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from moe_engine.config import EngineConfig  # noqa: E402
 from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from moe_engine.offload.trace import Span, Trace  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
+from moe_engine.tools.rss_check import rss_check  # noqa: E402
 from offload import plot, window as decode_window  # noqa: E402  (bench/offload.py)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,37 +113,6 @@ def expert_file_read_gbps(path: Path, passes: int = 1) -> float:
     source = expert_source(path, load_spec(path), torch.bfloat16, packed.storage_name(torch.bfloat16))
     reads = [p for key in source.keys() for p in source.read(*key).split(16 << 20)]
     return sweep_read_rate(reads, passes) / 1e9
-
-
-_RSS_JOB = r"""
-import json, sys, torch
-from moe_engine.config import EngineConfig
-from moe_engine.engine.llm_engine import LLMEngine
-from moe_engine.engine.memory import peak_rss_bytes, rss_bytes
-from moe_engine.engine.request import Request, SamplingParams
-from moe_engine.engine.tokenizer import load_tokenizer
-model_dir, budget_gb, kv_gb, n = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-load_tokenizer(model_dir)
-base = rss_bytes()
-config = EngineConfig(threads=2, kv_cache_gb=kv_gb, max_num_seqs=n, max_prefill_tokens=512,
-                      host_memory_gb=budget_gb)
-g = torch.Generator().manual_seed(0)
-reqs = [Request(f"r{i}", prompt_token_ids=torch.randint(100, 8000, (128,), generator=g).tolist(),
-                sampling=SamplingParams(max_new_tokens=16, ignore_eos=True)) for i in range(n)]
-with LLMEngine(model_dir, config, dtype="bfloat16") as engine:
-    ok = all(r.status == "ok" for r in engine.generate(reqs))
-    slots = engine.offload.pager.disk.num_slots
-print(json.dumps(dict(base=base, peak=peak_rss_bytes(), ok=ok, slots=slots)))
-"""
-
-
-def rss_check(path: Path, budget_gb: float, kv_gb: float, n: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _RSS_JOB, str(path), str(budget_gb), str(kv_gb),
-                          str(n)], capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    got["growth"] = got["peak"] - got["base"]
-    got["ratio"] = got["growth"] / ((budget_gb + kv_gb) * 1e9)
-    return got
 
 
 DISK_LANES = ["disk", "device", "wait", "cpu"]
@@ -248,7 +217,8 @@ def main() -> None:
           f"{profiled_gbps:.2f}); C (r_host 1) = {c:.2f} s")
     rss = dict(ratio=float("nan"))
     if not cuda:
-        rss = rss_check(path, args.budget_gb, 0.05, 16)
+        rss = rss_check(path, args.budget_gb, 0.05, requests=16, prompt_len=128,
+                        new_tokens=16, max_prefill_tokens=512)
         print(f"RSS under host_memory_gb={args.budget_gb} kv_cache_gb=0.05: growth "
               f"{rss['growth'] / 1e6:.0f} MB over a {rss['base'] / 1e6:.0f} MB runtime, ring "
               f"{rss['slots']} slots, {rss['ratio']:.3f} of the budget")

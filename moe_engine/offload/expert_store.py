@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import struct
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,7 +324,7 @@ class ExpertFile:
             with atomic_path(self.data) as tmp:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    for n, key in enumerate(keys):
+                    for n, key in enumerate(_progress(keys, "expert file")):
                         expert = convert(read_expert(refs[key], dtype, reader))
                         layout = layout or ExpertLayout.of(expert)
                         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -344,6 +345,16 @@ class ExpertFile:
                 "layout": layout.to_json(), "offsets": offsets,
                 "identity": file_identity(self.data).__dict__}
         write_text_atomic(self.index, json.dumps(meta))
+
+
+def _progress(items: list, desc: str):
+    """A progress bar on stderr (a checkpoint of hundreds of GB converts for minutes): in a log
+    file, not a terminal, one line every 30 s rather than a line per refresh."""
+    from tqdm import tqdm
+
+    interval = 1.0 if sys.stderr.isatty() else 30.0
+    return tqdm(items, desc=desc, unit="expert", file=sys.stderr, mininterval=interval,
+                ascii=True, dynamic_ncols=False)
 
 
 @contextmanager
