@@ -96,6 +96,12 @@ def test_tiny_presets_have_their_architecture_features(builtin_dir):
     assert (glm.router_scoring, glm.router_score_correction, glm.router_logits_fp32) == \
         ("sigmoid", True, True)
     assert 1 < glm.router_topk_groups < glm.router_groups and glm.routed_scaling_factor != 1.0
+    oss = load_spec(builtin_dir("tiny-gpt-oss"))
+    assert oss.attention_sinks and oss.router_bias and oss.expert_bias and oss.qkv_bias and oss.o_bias
+    assert oss.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert oss.sliding_window == 8 and oss.attention_window(1) is None
+    assert (oss.router_scoring, oss.expert_activation) == ("topk_softmax", "clamped_swiglu")
+    assert (oss.rope.rope_type, oss.rope.truncate) == ("yarn", False)
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

@@ -77,6 +77,12 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
         "tiny-glm4-moe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
     "olmoe-quantization-config": (
         "tiny-olmoe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
+    # The released GPT-OSS checkpoints: MXFP4 experts, refused by name until they load.
+    "gpt-oss-mxfp4": ("tiny-gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}},
+                      "MXFP4 experts", False),
+    "gpt-oss-unknown-layer-type": (
+        "tiny-gpt-oss", {"layer_types": ["chunked_attention", "full_attention", "full_attention"]},
+        "layer_types has ['chunked_attention']", False),
 }
 
 
@@ -132,6 +138,13 @@ HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4-moe-rope-yarn-partial": (
         "tiny-glm4-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                            "original_max_position_embeddings": 64}}),
+    # GPT-OSS: the window moves with sliding_window, hidden_act is never read, layer_types
+    # absent means even layers windowed, and a config without RoPE keys runs GptOssConfig's YaRN.
+    "gpt-oss-window-4": ("tiny-gpt-oss", {"sliding_window": 4}),
+    "gpt-oss-hidden-act-not-read": ("tiny-gpt-oss", {"hidden_act": "gelu"}),
+    "gpt-oss-default-layer-types": ("tiny-gpt-oss", {"layer_types": None}),
+    "gpt-oss-default-rope": ("tiny-gpt-oss", {"rope_scaling": None, "rope_theta": None}),
+    "gpt-oss-swiglu-alpha": ("tiny-gpt-oss", {"swiglu_alpha": 0.5}),
     "qwen2-moe-rope-yarn-mscale": (
         "tiny-qwen2-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
                                             "mscale_all_dim": 0.5,
@@ -145,7 +158,9 @@ def test_field_that_loads_matches_transformers(case, builtin_dir, tmp_path):
     model_dir = _variant(builtin_dir(preset), tmp_path / case, changes)
     engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
     spec = engine.spec
-    assert spec.sliding_window is None or spec.sliding_window >= spec.max_position_embeddings
+    # A window shorter than the context only where the engine windows per layer (GPT-OSS).
+    assert spec.num_windowed_layers or spec.sliding_window is None or \
+        spec.sliding_window >= spec.max_position_embeddings
     reference = _hf_generate(_hf_model(model_dir), engine.tokenizer, [PROMPTS[i] for i in LONG])
     reference = {str(i): reference[str(k)] for k, i in enumerate(LONG)}
     _assert_matches(engine, reference, _requests(LONG))

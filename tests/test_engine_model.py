@@ -152,6 +152,39 @@ def test_glm4_moe_checkpoint_saved_by_transformers_loads_completely(tmp_path):
         assert dense.router.dtype == torch.float32  # fp32 router logits, as transformers
 
 
+def test_gpt_oss_checkpoint_saved_by_transformers_loads_as_its_experts_compute(tmp_path):
+    """What transformers' save_pretrained writes for gpt_oss (fused experts [E, H, 2I] with gate
+    and up interleaved in the columns, down [E, I, H], biases, router bias, sinks) loads into
+    experts that compute what transformers' GptOssExperts computes, expert by expert."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe_engine.model.layers import swiglu
+
+    cfg = AutoConfig.for_model("gpt_oss", vocab_size=16, hidden_size=16, intermediate_size=24,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                               swiglu_limit=0.5)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # transformers initialises the biases to zero: make them count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(tmp_path)
+    spec = load_spec(tmp_path)
+    assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == 128
+    assert (spec.rope.rope_type, spec.rope.factor, spec.rope.truncate) == ("yarn", 32.0, False)
+    weights = load_weights(tmp_path, spec, torch.float32)
+    x = torch.randn(5, 16)
+    for i, layer in enumerate(model.model.layers):
+        ex, dense = layer.mlp.experts, weights.layers[i].dense
+        assert torch.equal(dense.sinks, layer.self_attn.sinks.detach())
+        assert torch.equal(dense.router_bias, layer.mlp.router.bias.detach())
+        for e, mine in enumerate(weights.layers[i].experts):
+            with torch.no_grad():
+                gate_up = x @ ex.gate_up_proj[e] + ex.gate_up_proj_bias[e]
+                ref = ex._apply_gate(gate_up) @ ex.down_proj[e] + ex.down_proj_bias[e]
+            torch.testing.assert_close(swiglu(mine, x), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_qwen2_moe_config_without_qkv_bias_key_has_biases(tmp_path):
     # Hub Qwen1.5-MoE configs omit qkv_bias; transformers defaults it to true.
     (tmp_path / "config.json").write_text(json.dumps({

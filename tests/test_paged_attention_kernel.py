@@ -27,7 +27,10 @@ ISAS = kernels.supported_isas()
 CONTEXTS = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2500]
 
 
-def fp64_attention(query, key_cache, value_cache, block_tables, context_lens, scale):
+def fp64_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
+                   sinks=None, window=None):
+    """Per (sequence, head) in fp64; sinks [n_q] join the softmax denominator, a window keeps
+    the last `window` positions (GPT-OSS)."""
     num_seqs, n_q, d = query.shape
     _, n_kv, block_size, _ = key_cache.shape
     group = n_q // n_kv
@@ -39,9 +42,13 @@ def fp64_attention(query, key_cache, value_cache, block_tables, context_lens, sc
         blocks = block_tables[s, :(n + block_size - 1) // block_size].long()
         k = key_cache[blocks].double().permute(1, 0, 2, 3).reshape(n_kv, -1, d)[:, :n]
         v = value_cache[blocks].double().permute(1, 0, 2, 3).reshape(n_kv, -1, d)[:, :n]
+        first = 0 if window is None else max(0, n - window)
         for h in range(n_q):
-            w = torch.softmax(k[h // group] @ query[s, h].double() * scale, dim=0)
-            out[s, h] = w @ v[h // group]
+            logits = k[h // group, first:] @ query[s, h].double() * scale
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h:h + 1].double()])
+            w = torch.softmax(logits, dim=0)[:n - first]
+            out[s, h] = w @ v[h // group, first:]
     return out
 
 
@@ -233,6 +240,30 @@ def test_torch_reference_matches_fp64(dtype):
     out = torch_paged_decode_attention(query, kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(out.double(), fp64_attention(query, kc, vc, tables, lens, 0.125),
                                rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+def test_torch_reference_with_sinks_and_window_matches_fp64(window):
+    """GPT-OSS's decode attention: a sink logit per query head in the denominator, and on
+    windowed layers only the last `window` keys (the new token's included)."""
+    query, kc, vc, tables, lens = make_inputs([0, 1, 16, 17, 50], n_kv=2, group=4, d=64,
+                                              dtype=torch.float32, seed=5)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)) * 2
+    out = torch_paged_decode_attention(query, kc, vc, tables, lens, 0.125, sinks=sinks,
+                                       window=window)
+    ref = fp64_attention(query, kc, vc, tables, lens, 0.125, sinks=sinks, window=window)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+    plain = fp64_attention(query, kc, vc, tables, lens, 0.125)
+    assert (ref - plain).abs().max() > 1e-2  # the sinks and the window change the result
+
+
+def test_sinks_and_windows_take_the_torch_path_and_say_why():
+    features = ("attention sinks", "sliding-window layers")
+    with pytest.raises(RuntimeError, match="attention sinks or sliding-window layers"):
+        DecodeAttention("cython", head_dim=64, features=features)
+    attention = DecodeAttention("auto", head_dim=64, features=features)
+    assert attention.name == "torch"
+    assert "does not compute attention sinks or sliding-window layers" in attention.describe()
 
 
 def test_kernel_releases_the_gil():

@@ -29,7 +29,7 @@ from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, blocks_for_budget
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.spec import load_spec
+from moe_engine.model.spec import ModelSpec, load_spec
 from moe_engine.offload.disk import DiskReadError
 from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
 from moe_engine.offload.routing import find_profile
@@ -56,7 +56,7 @@ class LLMEngine:
         torch.set_num_threads(threads)
         self.spec = load_spec(model_dir)
         self.dtype = resolve_dtype(dtype, self.spec)  # the weights' storage
-        self.gemm = _gemm_impl(config)
+        self.gemm, self.gemm_fallback = _gemm_impl(config, self.spec)
         act_dtype = torch.float32 if self.gemm == "packed" else self.dtype
         kv = DType(config.kv_dtype)
         kv_dtype = self.dtype if kv is DType.auto else resolve_dtype(kv.value, self.spec)
@@ -84,7 +84,8 @@ class LLMEngine:
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype)
         runner = ModelRunner(self.spec, weights, cache,
                              DecodeAttention(config.attention, threads,
-                                             head_dim=self.spec.head_dim),
+                                             head_dim=self.spec.head_dim,
+                                             features=self.spec.attention_features),
                              max_model_len, act_dtype)
         eos = frozenset(tokenizer.eos_token_ids) or frozenset(self.spec.eos_token_ids)
         self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,
@@ -162,7 +163,8 @@ class LLMEngine:
         if self.gemm == "packed":
             return (f"packed kernels, ISA {packed.ISA}, weights {packed.storage_name(self.dtype)}, "
                     f"experts {self.expert_storage}")
-        return f"torch {str(self.dtype).replace('torch.', '')}"
+        path = f"torch {str(self.dtype).replace('torch.', '')}"
+        return path if self.gemm_fallback is None else f"{path} ({self.gemm_fallback})"
 
     @property
     def attention_path(self) -> str:
@@ -356,14 +358,22 @@ class LLMEngine:
             s.bytes_moved = moved.bytes_moved
 
 
-def _gemm_impl(config: EngineConfig) -> str:
-    """'packed' (the CPU kernels) or 'torch', from engine.gemm and the backend."""
+def _gemm_impl(config: EngineConfig, spec: ModelSpec) -> tuple[str, Optional[str]]:
+    """('packed' (the CPU kernels) or 'torch', why auto fell back to torch or None), from
+    engine.gemm, the backend and what the model's experts compute."""
     gemm, experts = GemmImpl(config.gemm), ExpertDType(config.expert_dtype)
     if gemm is GemmImpl.torch or DeviceKind(config.backend) is not DeviceKind.cpu:
-        return "torch"
+        return "torch", None
+    quantized = experts in (ExpertDType.int8, ExpertDType.int4)
     if not packed.HAS_PACKED_KERNELS:
-        if gemm is GemmImpl.packed or experts in (ExpertDType.int8, ExpertDType.int4):
+        if gemm is GemmImpl.packed or quantized:
             raise RuntimeError("engine.gemm=packed (or quantized experts) needs the packed CPU "
                                "kernels, which are not built (python setup.py build_ext --inplace)")
-        return "torch"
-    return "packed"
+        return "torch", None
+    if spec.expert_features:
+        reason = f"the packed kernels do not compute {' or '.join(spec.expert_features)}"
+        if gemm is GemmImpl.packed or quantized:
+            raise RuntimeError(f"engine.gemm=packed (or quantized experts) on a {spec.model_type} "
+                               f"model: {reason}; use engine.gemm=auto or torch")
+        return "torch", reason
+    return "packed", None

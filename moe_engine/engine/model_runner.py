@@ -121,12 +121,14 @@ class ModelRunner:
         self.attention.write_kv(kc, vc, act.k, act.v, mb.slot_mapping)
         npf = mb.num_prefill_tokens
         out = torch.empty_like(act.q)
+        sinks = self.weights.layers[layer].dense.sinks
+        window = self.spec.attention_window(layer)
         if npf:
             out[:npf] = prefill_attention(act.q[:npf], act.k[:npf], act.v[:npf], mb.prefill_lens,
-                                          self.scale)
+                                          self.scale, sinks=sinks, window=window)
         if mb.num_decode:
             out[npf:] = self.attention(act.q[npf:].contiguous(), kc, vc, mb.block_tables,
-                                       mb.context_lens, self.scale)
+                                       mb.context_lens, self.scale, sinks=sinks, window=window)
         act.attn = out.reshape(out.shape[0], -1)
         act.q = act.k = act.v = None
         self.times.attention_s += time.perf_counter() - t0
@@ -141,7 +143,8 @@ class ModelRunner:
         routed = Routed(h)
         if self.spec.is_moe_layer(layer):
             routed.weights, routed.experts = route(dense.router, h, self.spec,
-                                                     dense.score_correction_bias)
+                                                     dense.score_correction_bias,
+                                                     dense.router_bias)
             if self.routing_observer is not None:
                 self.routing_observer(layer, routed.experts)
         self.times.dense_s += time.perf_counter() - t0

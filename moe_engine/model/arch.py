@@ -8,9 +8,12 @@ config may omit). Slots:
   layer:  input_norm, post_norm, q, k, v, o, router; q_bias, k_bias, v_bias, o_bias;
           q_norm, k_norm; mlp_w1/w3/w2 (a dense layer's MLP); shared_w1/w3/w2 and
           shared_expert_gate (Qwen2-MoE's shared expert; GLM-4.5's shared experts have no
-          gate); score_correction_bias (the router's e_score_correction_bias, GLM-4.5)
+          gate); score_correction_bias (the router's e_score_correction_bias, GLM-4.5);
+          sinks (per-head attention sink logits) and router_bias (GPT-OSS)
   expert: w1 (gate), w3 (up), w2 (down), one tensor per expert
-  fused:  gate_up [E, 2*I, H] and down [E, H, I], the layout transformers 5 uses in memory
+  fused:  gate_up [E, 2*I, H] and down [E, H, I], the layout transformers 5 uses in memory;
+          GPT-OSS's: gate_up_interleaved [E, H, 2*I] (gate in the even columns, up in the
+          odd ones) with gate_up_bias_interleaved [E, 2*I], down_t [E, I, H] with down_bias [E, H]
 """
 from __future__ import annotations
 
@@ -99,6 +102,19 @@ GLM4_MOE_TABLE = (_COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS + _SCORE_
                   + _SHARED_EXPERTS + _DENSE_MLP)
 
 
+_GPT_OSS_BLOCK = (
+    (_L + r"self_attn\.sinks", "layer", "sinks"),
+    (_L + r"mlp\.router\.weight", "layer", "router"),
+    (_L + r"mlp\.router\.bias", "layer", "router_bias"),
+    (_L + r"mlp\.experts\.gate_up_proj", "fused", "gate_up_interleaved"),
+    (_L + r"mlp\.experts\.gate_up_proj_bias", "fused", "gate_up_bias_interleaved"),
+    (_L + r"mlp\.experts\.down_proj", "fused", "down_t"),
+    (_L + r"mlp\.experts\.down_proj_bias", "fused", "down_bias"),
+)
+# The hub's bf16 checkpoints and transformers' save_pretrained use the in-memory names.
+GPT_OSS_TABLE = _COMMON + _ATTENTION_BIAS + _GPT_OSS_BLOCK
+
+
 @dataclass(frozen=True)
 class Architecture:
     """An architecture's name table plus what its config.json does not say.
@@ -117,6 +133,9 @@ class Architecture:
     DeepSeek) instead of in the model dtype (Mixtral, Qwen, OLMoE).
     o_bias: whether `attention_bias` covers the O projection too (GLM-4.5's covers q/k/v only).
     shared_expert_gate: the shared expert is scaled by sigmoid(gate(h)) (Qwen2-MoE).
+    attention_sinks, router_bias, expert_bias, expert_activation: see ModelSpec (GPT-OSS).
+    default_rope_parameters / default_rope_theta: RoPE of a config with no RoPE keys, where
+    the config class fills one in (GPT-OSS's YaRN).
     """
 
     model_type: str
@@ -129,6 +148,12 @@ class Architecture:
     router_logits_fp32: bool = False
     o_bias: bool = True
     shared_expert_gate: bool = False
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    default_rope_parameters: tuple[tuple[str, Any], ...] = ()
+    default_rope_theta: float = 10000.0
 
     def own_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """The architecture-specific settings of `cfg`, defaults filled in."""
@@ -163,6 +188,19 @@ ARCHITECTURES: dict[str, Architecture] = {
         fixed=(("e_score_correction_bias", True), ("group_score", "top2_sum")),
         qk_norm="head", router_weights_fp32=True, router_scoring="sigmoid",
         router_logits_fp32=True, o_bias=False),
+    # Defaults from transformers' GptOssConfig; its layer_types and sliding_window are read by
+    # config_audit.layer_types / sliding_window.
+    "GptOssForCausalLM": Architecture(
+        "gpt_oss", GPT_OSS_TABLE,
+        config_keys=(("attention_bias", True), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)),
+        # The softmax over the chosen k logits sums to 1 already.
+        fixed=(("norm_topk_prob", False),),
+        router_scoring="topk_softmax", attention_sinks=True, router_bias=True,
+        expert_bias=True, expert_activation="clamped_swiglu",
+        default_rope_parameters=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
+                                 ("beta_slow", 1.0), ("truncate", False),
+                                 ("original_max_position_embeddings", 4096)),
+        default_rope_theta=150000.0),
 }
 
 

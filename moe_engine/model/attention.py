@@ -19,23 +19,62 @@ from moe_engine.model.kernel_import import import_kernel
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      seq_lens: list[int], scale: float) -> torch.Tensor:
+                      seq_lens: list[int], scale: float, *, sinks: Optional[torch.Tensor] = None,
+                      window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of each sequence over its own tokens; q [T, nq, d], k/v [T, nkv, d].
 
     Tokens are packed without padding, so each sequence is one SDPA call on its own slice; GQA
-    is expanded inside SDPA (enable_gqa), never by copying K/V.
+    is expanded inside SDPA (enable_gqa), never by copying K/V. With attention sinks [nq] or a
+    window (a query at i sees keys (i - window, i]), GPT-OSS's, the softmax is written out
+    (SDPA has no sink term), the GQA group folded into the query length.
     """
     out = torch.empty_like(q)
     start = 0
     for n in seq_lens:
         end = start + n
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks = k[start:end].transpose(0, 1).unsqueeze(0)
-        vs = v[start:end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        out[start:end] = o.squeeze(0).transpose(0, 1)
+        if sinks is None and window is None:
+            qs = q[start:end].transpose(0, 1).unsqueeze(0)
+            ks = k[start:end].transpose(0, 1).unsqueeze(0)
+            vs = v[start:end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
+        else:
+            out[start:end] = _prefill_with_sinks(q[start:end], k[start:end], v[start:end],
+                                                 scale, sinks, window)
         start = end
     return out
+
+
+def _prefill_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        sinks: Optional[torch.Tensor], window: Optional[int]) -> torch.Tensor:
+    n, nq, d = q.shape
+    nkv = k.shape[1]
+    qg = q.float().permute(1, 0, 2).reshape(nkv, nq // nkv * n, d)  # [nkv, G*n, d]
+    kf, vf = k.float().permute(1, 0, 2), v.float().permute(1, 0, 2)  # [nkv, n, d]
+    pos = torch.arange(n, device=q.device)
+    seen = pos[None, :] <= pos[:, None]
+    if window is not None:
+        seen &= pos[None, :] > pos[:, None] - window
+    scores = (qg @ kf.transpose(1, 2)).mul_(scale).view(nkv, nq // nkv, n, n)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    o = softmax_with_sinks(scores, sinks, nkv) @ vf[:, None]  # [nkv, G, n, d]
+    return o.reshape(nq, n, d).transpose(0, 1).to(q.dtype)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor],
+                       nkv: int) -> torch.Tensor:
+    """softmax over the last dim of scores [..., nkv, G, Tq, Tk] (fp32) with, where given, head
+    h's sink logit sinks[h] (query heads h*G.. share KV head h) as one more term of the
+    denominator, dropped from the result: transformers' eager GPT-OSS attention, max
+    subtracted first as it does."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    shape = scores.shape
+    sink = sinks.float().reshape(nkv, -1, 1, 1).expand(*shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def torch_write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
@@ -55,7 +94,8 @@ def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
                                  value_cache: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float, *,
                                  out: Optional[torch.Tensor] = None,
-                                 num_threads: int = 0) -> torch.Tensor:
+                                 num_threads: int = 0, sinks: Optional[torch.Tensor] = None,
+                                 window: Optional[int] = None) -> torch.Tensor:
     """One query token per sequence against its cached context: the torch reference of the
     Cython kernel, with the same contract (num_threads is ignored), on any device.
 
@@ -63,7 +103,9 @@ def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     accumulation in fp32, like the kernel. The GQA group is folded into the query length
     ([N, nkv, group, d] against [N, nkv, L, d]) so K/V are gathered once per KV head, not
     repeated per query head. Sequences are padded to the longest context of the call and
-    masked; a sequence with no context gets zeros.
+    masked; a sequence with no context gets zeros. sinks [nq] (GPT-OSS) join each head's
+    softmax denominator; with a window only the last `window` positions of the context are
+    attended.
     """
     n, nq, d = query.shape
     nkv, bs = key_cache.shape[1], key_cache.shape[2]
@@ -80,9 +122,20 @@ def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
             return cache[tables].float().permute(0, 2, 1, 3, 4).reshape(n, nkv, nblk * bs, d)
 
         q = query.float().reshape(n, nkv, nq // nkv, d)
-        mask = (pos[None, :] < ctx[:, None]).reshape(n, 1, 1, nblk * bs)
-        o = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache),
-                                           attn_mask=mask, scale=scale)
+        seen = pos[None, :] < ctx[:, None]
+        if window is not None:
+            seen &= pos[None, :] >= ctx[:, None] - window
+        mask = seen.reshape(n, 1, 1, nblk * bs)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache),
+                                               attn_mask=mask, scale=scale)
+        else:
+            # One query row per group head: [N, nkv, G, 1, L] in softmax_with_sinks' layout.
+            keys, values = gather(key_cache).unsqueeze(2), gather(value_cache).unsqueeze(2)
+            scores = (q.unsqueeze(3) @ keys.transpose(-1, -2)).mul_(scale)
+            probs = softmax_with_sinks(scores.masked_fill(~mask.unsqueeze(1), float("-inf")),
+                                       sinks, nkv)
+            o = (probs @ values).squeeze(3)
         # A fully masked row (no context) is NaN or garbage depending on the SDPA backend.
         result = torch.where((ctx > 0)[:, None, None], o.reshape(n, nq, d), 0.0)
     if out is None:
@@ -98,10 +151,13 @@ class DecodeAttention:
     ISA build chosen at import) and the torch reference otherwise; 'cython' fails instead of
     falling back. `name` is the path that runs ('cython' or 'torch'), `isa` the kernel's ISA
     build (None on torch), `describe()` both, or why the fallback was taken.
+    `features` names what the model's attention adds to plain causal attention (ModelSpec
+    .attention_features: GPT-OSS's sinks and sliding-window layers); the kernel computes none
+    of them yet, so auto takes the torch reference for such a model and 'cython' refuses it.
     """
 
     def __init__(self, impl: str = "auto", num_threads: int = 0,
-                 head_dim: Optional[int] = None):
+                 head_dim: Optional[int] = None, features: tuple[str, ...] = ()):
         impl = getattr(impl, "value", impl)
         if impl not in ("auto", "cython", "torch"):
             raise ValueError(f"unknown attention implementation {impl!r}")
@@ -116,6 +172,8 @@ class DecodeAttention:
         kernels = _load_kernels()
         reason = ("the Cython kernels are not built" if kernels is None
                   else kernels.kernel_unavailable(head_dim))
+        if reason is None and features:
+            reason = f"the Cython kernel does not compute {' or '.join(features)}"
         if reason is None:
             self.write_kv = kernels.write_kv
             self.decode = kernels.paged_decode_attention
@@ -136,9 +194,13 @@ class DecodeAttention:
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sinks: Optional[torch.Tensor] = None,
+                 window: Optional[int] = None) -> torch.Tensor:
+        # The extra arguments only reach the torch reference (the kernel is not chosen for a
+        # model that has them, see __init__).
+        extra = {} if sinks is None and window is None else {"sinks": sinks, "window": window}
         return self.decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           num_threads=self.num_threads)
+                           num_threads=self.num_threads, **extra)
 
 
 def _load_kernels():

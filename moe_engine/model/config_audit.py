@@ -1,18 +1,21 @@
 """config.json fields that would change the math but the engine does not compute: refused at load.
 
-Audited field by field against transformers' configuration and modeling files of the five
-families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE). A field is in one of three groups:
+Audited field by field against transformers' configuration and modeling files of the six
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, GPT-OSS). A field is in one of three
+groups:
   honoured: spec.py reads it into ModelSpec and the layers compute it (shapes, rms_norm_eps,
       RoPE default/dynamic/linear/llama3/yarn, biases, q/k norms, clip_qkv, norm_topk_prob, shared
       experts, dense layers, tied embeddings, dtype; GLM-4.5's partial_rotary_factor,
       use_qk_norm, n_shared_experts, first_k_dense_replace, n_group, topk_group,
-      routed_scaling_factor);
+      routed_scaling_factor; GPT-OSS's layer_types with sliding_window, swiglu_alpha,
+      swiglu_limit, attention_bias and its YaRN with truncate);
   inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
       router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
       it), a sliding window no sequence can outgrow, GLM-4.5's num_nextn_predict_layers (the
       multi-token-prediction layer only drafts tokens for speculative decoding; generate does
-      not run it by default);
+      not run it by default), hidden_act on GPT-OSS (its experts always compute the clamped
+      SwiGLU, whatever the key says);
   refused here: everything else that transformers computes, each naming the field and value.
 It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
 parameters and the effective window through the helpers here, so reader and judge agree.
@@ -32,11 +35,34 @@ class UnhonouredFieldError(ValueError):
     compute it; the message names the field, its value and why."""
 
 
+# Architectures whose layers are windowed per layer_types, and the engine windows them too.
+WINDOWED_TYPES = ("gpt_oss",)
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_types(cfg: Mapping[str, Any], model_type: str) -> tuple[str, ...]:
+    """Each layer's attention kind where the engine windows per layer (WINDOWED_TYPES), as
+    GptOssConfig fills it: explicit layer_types, else even layers sliding and odd ones full;
+    () for the other architectures (their window is all or nothing, see sliding_window)."""
+    if model_type not in WINDOWED_TYPES:
+        return ()
+    explicit = cfg.get("layer_types")
+    if explicit:
+        return tuple(str(t) for t in explicit)
+    return tuple("sliding_attention" if (i + 1) % 2 else "full_attention"
+                 for i in range(int(cfg.get("num_hidden_layers", 0))))
+
+
 def sliding_window(cfg: Mapping[str, Any], model_type: str) -> tuple[str, Optional[int]]:
     """(field, window): the attention window transformers applies to at least one layer of a
     `model_type` model (None when no layer is windowed) and the config field that sets it;
     each family switches it differently."""
     window = cfg.get("sliding_window")
+    if model_type == "gpt_oss":
+        # GptOssConfig's default window is 128; layer_types says which layers it covers.
+        window = cfg.get("sliding_window", 128)
+        return ("sliding_window",
+                window if "sliding_attention" in layer_types(cfg, model_type) else None)
     if model_type == "qwen3_moe":
         return ("sliding_window", window if cfg.get("use_sliding_window", False) else None)
     if model_type == "qwen2_moe":
@@ -59,6 +85,14 @@ def sliding_window(cfg: Mapping[str, Any], model_type: str) -> tuple[str, Option
 
 
 def _check_sliding_window(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type in WINDOWED_TYPES:
+        unknown = sorted(set(layer_types(cfg, model_type)) - set(LAYER_KINDS))
+        if unknown:
+            return f"layer_types has {unknown}: the engine computes {', '.join(LAYER_KINDS)}"
+        window = sliding_window(cfg, model_type)[1]
+        if window is not None and int(window) < 1:
+            return f"sliding_window={window!r}: a windowed layer needs a window of 1 or more"
+        return None
     field, window = sliding_window(cfg, model_type)
     positions = int(cfg.get("max_position_embeddings", 4096))
     # The engine never runs a sequence past max_position_embeddings, so a window at least that
@@ -71,7 +105,13 @@ def _check_sliding_window(cfg: Mapping[str, Any], model_type: str) -> Optional[s
             "whole context and would diverge from the model after the window's length")
 
 
+# Architectures whose experts compute a fixed activation that hidden_act does not select.
+FIXED_ACTIVATION_TYPES = ("gpt_oss",)
+
+
 def _check_activation(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type in FIXED_ACTIVATION_TYPES:
+        return None
     act = cfg.get("hidden_act", "silu")
     if act in SILU_NAMES:
         return None
@@ -119,6 +159,11 @@ def _check_quantization(cfg: Mapping[str, Any], model_type: str) -> Optional[str
     if not quant:
         return None
     method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+    if str(method).lower() == "mxfp4":
+        # The released GPT-OSS checkpoints: experts as *_blocks (packed fp4) + *_scales (e8m0).
+        return ("quantization_config (quant_method='mxfp4'): MXFP4 experts (gate_up_proj_blocks/"
+                "_scales, down_proj_blocks/_scales) are not loaded yet; load a bf16/fp32 "
+                "checkpoint (e.g. saved by transformers from Mxfp4Config(dequantize=True))")
     return (f"quantization_config (quant_method={method!r}): quantized weights are not "
             "supported; load a bf16/fp16/fp32 checkpoint")
 

@@ -1,6 +1,6 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
-Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5-MoE numerically (RMSNorm
+Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE and GPT-OSS numerically (RMSNorm
 in fp32, router scores in fp32, top-k weights renormalised where the spec says so) so fp32 runs
 match them to rounding. Where the architectures differ, a ModelSpec flag picks the branch.
 """
@@ -148,8 +148,8 @@ def attention_output(dense: DenseLayerWeights, attn: torch.Tensor) -> torch.Tens
 
 
 def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
-          score_correction_bias: Optional[torch.Tensor] = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          score_correction_bias: Optional[torch.Tensor] = None,
+          router_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts each token goes to and their weights: weights [T, k], experts [T, k].
 
     Scores are the softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2) or the sigmoid (DeepSeek-V3,
@@ -158,12 +158,19 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     groups experts (`limit_to_top_groups`); the weights are the chosen experts' un-biased
     scores, renormalised if the spec says so, times routed_scaling_factor.
 
+    GPT-OSS ("topk_softmax"): the router GEMM has a bias, top-k runs over the logits and the
+    weights are the softmax of the k chosen logits.
+
     Weights stay fp32 for Mixtral and GLM-4.5; the others cast them to the activations' dtype
     before scaling the expert outputs (same result in fp32).
     """
     # fp32 logits from an fp32 weight (loaded so) where transformers computes them so.
     x = h.float() if spec.router_logits_fp32 else h
-    logits = linear(x, router).float()
+    logits = linear(x, router, router_bias).float()
+    if spec.router_scoring == "topk_softmax":
+        chosen, experts = torch.topk(logits, spec.top_k, dim=-1)
+        weights = torch.softmax(chosen, dim=-1)
+        return (weights if spec.router_weights_fp32 else weights.to(h.dtype)), experts
     if spec.router_scoring == "sigmoid":
         scores = torch.sigmoid(logits)
     else:
@@ -211,12 +218,23 @@ def limit_to_top_groups(scores: torch.Tensor, n_group: int, topk_group: int,
 
 def swiglu(mlp: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with gate|up fused in one GEMM (one fused kernel call when
-    the MLP is packed)."""
+    the MLP is packed); with the MLP's biases and clamped activation where it has them."""
     if is_packed(mlp):
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32)
         return packed_moe_ffn([mlp], x, ones, torch.zeros(x.shape[0], 1, dtype=torch.int64))
-    gate, up = F.linear(x, mlp.w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, mlp.w2)
+    gate, up = F.linear(x, mlp.w13, mlp.b13).chunk(2, dim=-1)
+    if mlp.clamp is None:
+        return F.linear(F.silu(gate) * up, mlp.w2, mlp.b2)
+    return F.linear(clamped_swiglu(gate, up, mlp.clamp.alpha, mlp.clamp.limit), mlp.w2, mlp.b2)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """GPT-OSS's activation: gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), in transformers' order of operations."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def ffn_output(dense: DenseLayerWeights, h: torch.Tensor,

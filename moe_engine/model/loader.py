@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from moe_engine.model.arch import NameTable
 from moe_engine.model.spec import ModelSpec
-from moe_engine.model.weights import DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights
+from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights,
+                                      SwigluClamp)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +79,9 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
         if not spec.tie_word_embeddings:
             raise ValueError(f"{model_dir}: no lm_head and embeddings are not tied")
         lm_head = glob["embed"]
+    clamp = (SwigluClamp(spec.swiglu_alpha, spec.swiglu_limit)
+             if spec.expert_activation == "clamped_swiglu" else None)
+    expert_slots = {"w1", "w2", "w3"} | ({"b1", "b2", "b3"} if spec.expert_bias else set())
     layers = []
     for i in range(spec.num_layers):
         dense = _dense_layer(layer[i], spec, i, model_dir)
@@ -87,9 +91,9 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
                 routed.append(None)
                 continue
             x = expert.get((i, e), {})
-            if not {"w1", "w2", "w3"} <= x.keys():
+            if not expert_slots <= x.keys():
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete")
-            routed.append(_swiglu(x))
+            routed.append(_swiglu(x, clamp=clamp))
         layers.append(LayerWeights(dense, routed))
     return ModelWeights(embed=glob["embed"], final_norm=glob["final_norm"], lm_head=lm_head,
                         layers=layers)
@@ -104,6 +108,8 @@ def _required_slots(spec: ModelSpec, layer: int) -> set[str]:
         need.add("o_bias")
     if spec.qk_norm is not None:
         need |= {"q_norm", "k_norm"}
+    if spec.attention_sinks:
+        need.add("sinks")
     if not spec.is_moe_layer(layer):
         return need | {"mlp_w1", "mlp_w2", "mlp_w3"}
     need.add("router")
@@ -113,6 +119,8 @@ def _required_slots(spec: ModelSpec, layer: int) -> set[str]:
         need |= {"shared_w1", "shared_w2", "shared_w3"}
     if spec.shared_expert_gate:
         need.add("shared_expert_gate")
+    if spec.router_bias:
+        need.add("router_bias")
     return need
 
 
@@ -142,22 +150,41 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         shared_expert=_swiglu(d, "shared_") if shared else None,
         shared_expert_gate=d["shared_expert_gate"].contiguous() if gated else None,
         score_correction_bias=(d["score_correction_bias"].contiguous()
-                               if moe and spec.router_score_correction else None))
+                               if moe and spec.router_score_correction else None),
+        sinks=d["sinks"].contiguous() if spec.attention_sinks else None,
+        router_bias=d["router_bias"].contiguous() if moe and spec.router_bias else None)
 
 
-def _swiglu(d: dict[str, torch.Tensor], prefix: str = "") -> ExpertWeights:
-    """Fuse gate (w1) and up (w3) of the MLP whose slots start with `prefix`."""
+def _swiglu(d: dict[str, torch.Tensor], prefix: str = "",
+            clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
+    """Fuse gate (w1) and up (w3) of the MLP whose slots start with `prefix`, and their
+    biases (b1, b3) where it has them."""
+    b13 = (torch.cat([d[prefix + "b1"], d[prefix + "b3"]]).contiguous()
+           if prefix + "b1" in d else None)
     return ExpertWeights(w13=torch.cat([d[prefix + "w1"], d[prefix + "w3"]], dim=0).contiguous(),
-                         w2=d[prefix + "w2"].contiguous())
+                         w2=d[prefix + "w2"].contiguous(), b13=b13,
+                         b2=d[prefix + "b2"].contiguous() if prefix + "b2" in d else None,
+                         clamp=clamp)
 
 
 def _split_fused(slot: str, t: torch.Tensor, layer: int,
                  expert: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
     # transformers 5 layout: gate_up [E, 2I, H] = cat(w1, w3) on dim 1; down [E, H, I].
+    # GPT-OSS's: gate_up [E, H, 2I] with gate in the even columns and up in the odd ones (its
+    # _apply_gate slices [..., ::2] and [..., 1::2]), its bias [E, 2I] alike, down [E, I, H]
+    # (x @ W, so transposed to the [out, in] rows F.linear takes), its bias [E, H].
     for e in range(t.shape[0]):
+        parts = expert[(layer, e)]
         if slot == "gate_up":
             w1, w3 = t[e].chunk(2, dim=0)
-            expert[(layer, e)]["w1"] = w1.clone()
-            expert[(layer, e)]["w3"] = w3.clone()
+            parts["w1"], parts["w3"] = w1.clone(), w3.clone()
+        elif slot == "gate_up_interleaved":
+            parts["w1"], parts["w3"] = t[e, :, ::2].T.contiguous(), t[e, :, 1::2].T.contiguous()
+        elif slot == "gate_up_bias_interleaved":
+            parts["b1"], parts["b3"] = t[e, ::2].contiguous(), t[e, 1::2].contiguous()
+        elif slot == "down_t":
+            parts["w2"] = t[e].T.contiguous()
+        elif slot == "down_bias":
+            parts["b2"] = t[e].clone()
         else:
-            expert[(layer, e)]["w2"] = t[e].clone()
+            parts["w2"] = t[e].clone()

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from moe_engine.model.arch import UnsupportedArchitectureError, architecture, architecture_name
-from moe_engine.model.config_audit import (refuse_unhonoured_fields, rope_parameters, rope_type,
-                                           sliding_window)
+from moe_engine.model.config_audit import (layer_types, refuse_unhonoured_fields, rope_parameters,
+                                           rope_type, sliding_window)
 
 GB = 1e9
 
@@ -80,7 +80,10 @@ def is_sparse_layer(layer: int, decoder_sparse_step: int = 1, mlp_only_layers: S
             and layer >= int(first_k_dense_replace or 0))
 
 
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+# "topk_softmax" (GPT-OSS): top-k over the raw logits, softmax over the k chosen ones.
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 GROUP_SCORES = ("top2_sum", "max")
 
 
@@ -142,6 +145,20 @@ class ModelSpec:
     router_group_score: str = "top2_sum"
     routed_scaling_factor: float = 1.0
     mla: Optional[MlaSpec] = None
+    # GPT-OSS. attention_sinks: a learned logit per query head joins each softmax's
+    # denominator (it has no value). layer_types: one of LAYER_TYPES per layer (empty: every
+    # layer full); a "sliding_attention" layer's query at position p sees the keys at
+    # (p - sliding_window, p], as transformers' sliding_window_overlay masks them.
+    # router_bias: the router GEMM has a bias. expert_bias: every expert's gate|up and down
+    # GEMMs have biases. expert_activation "clamped_swiglu": gate clamped above at
+    # swiglu_limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
+    attention_sinks: bool = False
+    layer_types: tuple[str, ...] = ()
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -163,6 +180,16 @@ class ModelSpec:
         if groups > 1 and self.router_group_score == "top2_sum" and per_group < 2:
             raise ValueError(f"n_group={groups}: a group scored by its two best experts needs "
                              "at least two experts")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {self.expert_activation!r}: expected one of "
+                             f"{EXPERT_ACTIVATIONS}")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types {list(self.layer_types)} must name one of "
+                             f"{LAYER_TYPES} for each of the {self.num_layers} layers")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"sliding_attention layers need a positive sliding_window, got "
+                             f"{self.sliding_window!r}")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an "
                              f"even number of the head's {self.head_dim} dims")
@@ -183,6 +210,31 @@ class ModelSpec:
     def rotary_dim(self) -> int:
         """Dims of each head RoPE rotates (the first ones), as transformers rounds it."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def attention_window(self, layer: int) -> Optional[int]:
+        """Keys a query of layer `layer` sees, itself included (None: the whole context)."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_features(self) -> tuple[str, ...]:
+        """What the attention adds to plain causal attention, by name (for the kernels to
+        refuse or a fallback to report)."""
+        return tuple(name for name, present in (
+            ("attention sinks", self.attention_sinks),
+            ("sliding-window layers", self.num_windowed_layers > 0)) if present)
+
+    @property
+    def expert_features(self) -> tuple[str, ...]:
+        """What the experts add to a plain bias-free SwiGLU, by name (see attention_features)."""
+        return tuple(name for name, present in (
+            ("expert biases", self.expert_bias),
+            ("the clamped SwiGLU", self.expert_activation == "clamped_swiglu")) if present)
+
+    @property
+    def num_windowed_layers(self) -> int:
+        return sum(t == "sliding_attention" for t in self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -231,6 +283,8 @@ class ModelSpec:
             params += self.q_size + 2 * self.kv_size
         if self.o_bias:
             params += h
+        if self.attention_sinks:
+            params += n_q
         if self.qk_norm == "head":
             params += 2 * self.head_dim
         elif self.qk_norm == "projection":
@@ -239,14 +293,16 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """gate, up and down projections of one routed expert (SwiGLU)."""
-        return 3 * self.hidden_size * self.intermediate_size
+        """gate, up and down projections of one routed expert (SwiGLU), with their biases
+        where the experts have them (GPT-OSS)."""
+        bias = 2 * self.intermediate_size + self.hidden_size if self.expert_bias else 0
+        return 3 * self.hidden_size * self.intermediate_size + bias
 
     @property
     def router_params(self) -> int:
-        """Router weight, plus its score-correction bias where it has one (stored in fp32 by the
-        checkpoints, counted at the model's width here: E values per layer)."""
-        bias = self.num_experts if self.router_score_correction else 0
+        """Router weight, plus its score-correction bias (stored in fp32 by the checkpoints,
+        counted at the model's width here) or its GEMM bias (GPT-OSS): E values per layer."""
+        bias = self.num_experts if self.router_score_correction or self.router_bias else 0
         return self.hidden_size * self.num_experts + bias
 
     @property
@@ -429,6 +485,10 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
     except UnsupportedArchitectureError as e:
         raise UnsupportedModelError(f"{e}; the performance model also sizes deepseek_v2") from None
     refuse_unhonoured_fields(cfg, arch.model_type)
+    if arch.default_rope_parameters and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+        # GPT-OSS: a config without RoPE keys gets its config class's YaRN, as transformers'.
+        cfg = {**cfg, "rope_parameters": {"rope_theta": cfg.get("rope_theta", arch.default_rope_theta),
+                                          **dict(arch.default_rope_parameters)}}
     common = _common(cfg, dtype, name)
     own = arch.own_config(dict(cfg))
     heads = common["num_heads"]
@@ -466,6 +526,13 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         router_topk_groups=int(own.get("topk_group") or 1),
         router_group_score=str(own.get("group_score", "top2_sum")),
         routed_scaling_factor=float(own.get("routed_scaling_factor", 1.0)),
+        attention_sinks=arch.attention_sinks,
+        layer_types=layer_types(cfg, arch.model_type),
+        router_bias=arch.router_bias,
+        expert_bias=arch.expert_bias,
+        expert_activation=arch.expert_activation,
+        swiglu_alpha=float(own.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(own.get("swiglu_limit", 7.0)),
     )
 
 

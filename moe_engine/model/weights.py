@@ -14,24 +14,41 @@ from typing import Callable, Iterator, Optional
 import torch
 
 
+@dataclass(frozen=True)
+class SwigluClamp:
+    """GPT-OSS's clamped SwiGLU: gate <= limit, -limit <= up <= limit,
+    out = (up + 1) * gate * sigmoid(alpha * gate). Held by each expert so that every path
+    computing an expert (runner, offload pipeline, placement timing) gets it with the weights."""
+
+    alpha: float
+    limit: float
+
+
 @dataclass
 class ExpertWeights:
     """One SwiGLU MLP (a routed expert, a shared expert or a dense layer's MLP):
     w13 = [gate; up] of shape [2*I, H], w2 = down of shape [H, I]; or, packed for the CPU
-    kernels (model/packed.py), 3-D panel tensors with int8/int4 scales in s13/s2."""
+    kernels (model/packed.py), 3-D panel tensors with int8/int4 scales in s13/s2. GPT-OSS's
+    experts add biases b13 = [gate; up] [2*I] and b2 [H] and the clamped activation."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     s13: Optional[torch.Tensor] = None
     s2: Optional[torch.Tensor] = None
+    b13: Optional[torch.Tensor] = None
+    b2: Optional[torch.Tensor] = None
+    clamp: Optional[SwigluClamp] = None
+
+    def _all(self) -> tuple[Optional[torch.Tensor], ...]:
+        return (self.w13, self.w2, self.s13, self.s2, self.b13, self.b2)
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        yield from (t for t in (self.w13, self.w2, self.s13, self.s2) if t is not None)
+        yield from (t for t in self._all() if t is not None)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExpertWeights":
         """A copy with `fn` applied to every tensor."""
-        return ExpertWeights(*(fn(t) if t is not None else None
-                               for t in (self.w13, self.w2, self.s13, self.s2)))
+        return ExpertWeights(*(fn(t) if t is not None else None for t in self._all()),
+                             clamp=self.clamp)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
@@ -57,6 +74,8 @@ class DenseLayerWeights:
     shared_expert_gate: Optional[torch.Tensor] = None  # [1, H]; None: an ungated shared expert
     # [E] fp32 (GLM-4.5's e_score_correction_bias, which transformers keeps in fp32 too)
     score_correction_bias: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None  # [n_q] attention-sink logits (GPT-OSS)
+    router_bias: Optional[torch.Tensor] = None  # [E] (GPT-OSS)
 
     @property
     def holds_ffn(self) -> bool:

@@ -49,11 +49,24 @@ def _attention_shapes(p: MoePreset, pre: str) -> list[tuple[str, tuple[int, ...]
         shapes.append((f"{pre}.self_attn.{proj}_proj.weight", (out, inp), kind))
         if p.attention_bias and proj in fam.biased:
             shapes.append((f"{pre}.self_attn.{proj}_proj.bias", (out,), "bias"))
+    if fam.sinks:
+        shapes.append((f"{pre}.self_attn.sinks", (p.num_attention_heads,), "sink"))
     if fam.qk_norm is not None and p.qk_norm:
         per_head = fam.qk_norm == "head"
         shapes += [(f"{pre}.self_attn.q_norm.weight", (d if per_head else q,), "norm"),
                    (f"{pre}.self_attn.k_norm.weight", (d if per_head else kv,), "norm")]
     return shapes
+
+
+def _fused_expert_shapes(p: MoePreset, block: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """GPT-OSS: router bias, then the experts as transformers holds them: gate_up [E, H, 2I]
+    (gate and up interleaved in the columns) and down [E, I, H], each with a bias."""
+    e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+    return [(f"{block}.router.bias", (e,), "bias"),
+            (f"{block}.experts.gate_up_proj", (e, h, 2 * i), "fused_linear"),
+            (f"{block}.experts.gate_up_proj_bias", (e, 2 * i), "bias"),
+            (f"{block}.experts.down_proj", (e, i, h), "fused_residual"),
+            (f"{block}.experts.down_proj_bias", (e, h), "bias")]
 
 
 def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
@@ -70,7 +83,10 @@ def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
             shapes += _swiglu_shapes(f"{pre}.mlp", LLAMA_MLP, h, p.dense_intermediate_size)
             continue
         block = f"{pre}.{fam.moe_block}"
-        shapes.append((f"{block}.gate.weight", (p.num_experts, h), "router"))
+        shapes.append((f"{block}.{fam.router_name}.weight", (p.num_experts, h), "router"))
+        if fam.fused_experts:
+            shapes += _fused_expert_shapes(p, block)
+            continue
         if fam.score_correction:
             shapes.append((f"{block}.gate.e_score_correction_bias", (p.num_experts,),
                            "score_bias"))
@@ -92,7 +108,9 @@ def _init_tensor(kind: str, shape: tuple[int, ...], p: MoePreset, g: torch.Gener
     # mapping then changes the logits), router logits are spread (few near-ties in top-k, so
     # implementations agree on the experts), and output logits are peaked (greedy parity does not
     # hinge on near-ties, and sampling stays on the tokenizer's real tokens, see lm_head below).
-    fan_in = shape[-1]
+    # Fused experts multiply x @ W: their inputs are the second-to-last dim.
+    fan_in = shape[-2] if kind.startswith("fused_") else shape[-1]
+    kind = kind.removeprefix("fused_")
     if kind == "embedding":
         t = torch.randn(shape, generator=g)
     elif kind == "norm":
@@ -109,6 +127,9 @@ def _init_tensor(kind: str, shape: tuple[int, ...], p: MoePreset, g: torch.Gener
         # Of the size of the spread of the sigmoid scores, so the bias changes which experts
         # and groups are chosen (a zero bias would leave that path untested).
         t = 0.2 * torch.randn(shape, generator=g)
+    elif kind == "sink":
+        # Of the size of the attention logits, so the sink visibly takes part of the mass.
+        t = torch.randn(shape, generator=g)
     elif kind == "lm_head":
         t = 4.0 * torch.randn(shape, generator=g) / math.sqrt(fan_in)
     else:

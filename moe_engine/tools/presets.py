@@ -52,6 +52,12 @@ class MoePreset:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # GPT-OSS: the window of its sliding layers (every other one from layer 0, or those of
+    # sliding_layers when given), its clamped SwiGLU's limit, YaRN (rope_scaling items).
+    sliding_window: Optional[int] = None
+    sliding_layers: Optional[tuple[int, ...]] = None
+    swiglu_limit: float = 7.0
+    rope_scaling: Optional[tuple[tuple[str, Any], ...]] = None
 
     @property
     def head_dim(self) -> int:
@@ -86,6 +92,11 @@ class Family:
     shared_block: str = "shared_expert"
     shared_gate: bool = True
     score_correction: bool = False
+    # GPT-OSS: router named `router` with a bias, experts stored fused with biases
+    # (transformers' in-memory layout), a sink logit per attention head.
+    fused_experts: bool = False
+    router_name: str = "gate"
+    sinks: bool = False
 
 
 def _mixtral_keys(p: MoePreset) -> dict[str, Any]:
@@ -125,6 +136,19 @@ def _glm4_moe_keys(p: MoePreset) -> dict[str, Any]:
             "partial_rotary_factor": p.partial_rotary_factor, "num_nextn_predict_layers": 0}
 
 
+def _gpt_oss_keys(p: MoePreset) -> dict[str, Any]:
+    sliding = (p.sliding_layers if p.sliding_layers is not None
+               else tuple(range(0, p.num_hidden_layers, 2)))
+    keys = {"intermediate_size": p.intermediate_size, "num_local_experts": p.num_experts,
+            "sliding_window": p.sliding_window, "swiglu_limit": p.swiglu_limit,
+            "layer_types": ["sliding_attention" if i in sliding else "full_attention"
+                            for i in range(p.num_hidden_layers)],
+            "router_aux_loss_coef": 0.9}
+    if p.rope_scaling:
+        keys["rope_scaling"] = dict(p.rope_scaling)
+    return keys
+
+
 LLAMA_MLP = ("gate_proj", "down_proj", "up_proj")
 FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(
@@ -144,6 +168,10 @@ FAMILIES: dict[str, Family] = {
         model_type="glm4_moe", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="qkv", qk_norm="head", config_keys=_glm4_moe_keys,
         shared_block="shared_experts", shared_gate=False, score_correction=True),
+    "GptOssForCausalLM": Family(
+        model_type="gpt_oss", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="qkvo", qk_norm=None, config_keys=_gpt_oss_keys,
+        fused_experts=True, router_name="router", sinks=True),
 }
 
 PRESETS: dict[str, MoePreset] = {
@@ -191,6 +219,18 @@ PRESETS: dict[str, MoePreset] = {
         norm_topk_prob=True, shared_expert_intermediate_size=32, dense_intermediate_size=176,
         first_k_dense_replace=1, partial_rotary_factor=0.5, n_group=4, topk_group=2,
         routed_scaling_factor=2.5),
+    # GPT-OSS's features: attention sinks, a window of 8 tokens on layers 0 and 2 (shorter
+    # than most prompts, so it masks), q/k/v/o biases, q wider than the hidden size, YaRN as
+    # GPT-OSS sets it (factor 32, no truncation), a router with a bias whose top-4 logits are
+    # softmaxed, experts with biases and the clamped SwiGLU stored fused and interleaved. ~5 MB.
+    "tiny-gpt-oss": MoePreset(
+        "GptOssForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
+        vocab_size=8192, tokenizer_vocab_size=8192, explicit_head_dim=32, attention_bias=True,
+        rope_theta=150000.0, sliding_window=8,
+        rope_scaling=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
+                      ("beta_slow", 1.0), ("truncate", False),
+                      ("original_max_position_embeddings", 128))),
 }
 
 
