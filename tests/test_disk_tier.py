@@ -459,7 +459,8 @@ def _first_logits(model_dir, config: EngineConfig) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe"])
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-glm4-moe",
+                                    "tiny-gpt-oss"])
 def test_three_tiers_on_cuda(model_dirs, preset):
     """Device, host and disk on a real GPU: disk experts go disk -> host slot -> device ring,
     so the tokens are those of the same CUDA run with every expert in host memory, and the

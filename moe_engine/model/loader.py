@@ -79,8 +79,7 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
         if not spec.tie_word_embeddings:
             raise ValueError(f"{model_dir}: no lm_head and embeddings are not tied")
         lm_head = glob["embed"]
-    clamp = (SwigluClamp(spec.swiglu_alpha, spec.swiglu_limit)
-             if spec.expert_activation == "clamped_swiglu" else None)
+    clamp = expert_clamp(spec)
     expert_slots = {"w1", "w2", "w3"} | ({"b1", "b2", "b3"} if spec.expert_bias else set())
     layers = []
     for i in range(spec.num_layers):
@@ -93,10 +92,17 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
             x = expert.get((i, e), {})
             if not expert_slots <= x.keys():
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete")
-            routed.append(_swiglu(x, clamp=clamp))
+            routed.append(swiglu_weights(x, clamp=clamp))
         layers.append(LayerWeights(dense, routed))
     return ModelWeights(embed=glob["embed"], final_norm=glob["final_norm"], lm_head=lm_head,
                         layers=layers)
+
+
+def expert_clamp(spec: ModelSpec) -> Optional[SwigluClamp]:
+    """The clamp of the spec's experts' activation (None: plain SwiGLU)."""
+    if spec.expert_activation != "clamped_swiglu":
+        return None
+    return SwigluClamp(spec.swiglu_alpha, spec.swiglu_limit)
 
 
 def _required_slots(spec: ModelSpec, layer: int) -> set[str]:
@@ -146,8 +152,8 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         bo=d["o_bias"] if spec.o_bias else None,
         q_norm=d["q_norm"] if spec.qk_norm else None,
         k_norm=d["k_norm"] if spec.qk_norm else None,
-        mlp=None if moe else _swiglu(d, "mlp_"),
-        shared_expert=_swiglu(d, "shared_") if shared else None,
+        mlp=None if moe else swiglu_weights(d, "mlp_"),
+        shared_expert=swiglu_weights(d, "shared_") if shared else None,
         shared_expert_gate=d["shared_expert_gate"].contiguous() if gated else None,
         score_correction_bias=(d["score_correction_bias"].contiguous()
                                if moe and spec.router_score_correction else None),
@@ -155,7 +161,7 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         router_bias=d["router_bias"].contiguous() if moe and spec.router_bias else None)
 
 
-def _swiglu(d: dict[str, torch.Tensor], prefix: str = "",
+def swiglu_weights(d: dict[str, torch.Tensor], prefix: str = "",
             clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
     """Fuse gate (w1) and up (w3) of the MLP whose slots start with `prefix`, and their
     biases (b1, b3) where it has them."""
@@ -169,22 +175,33 @@ def _swiglu(d: dict[str, torch.Tensor], prefix: str = "",
 
 def _split_fused(slot: str, t: torch.Tensor, layer: int,
                  expert: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
-    # transformers 5 layout: gate_up [E, 2I, H] = cat(w1, w3) on dim 1; down [E, H, I].
-    # GPT-OSS's: gate_up [E, H, 2I] with gate in the even columns and up in the odd ones (its
-    # _apply_gate slices [..., ::2] and [..., 1::2]), its bias [E, 2I] alike, down [E, I, H]
-    # (x @ W, so transposed to the [out, in] rows F.linear takes), its bias [E, H].
     for e in range(t.shape[0]):
-        parts = expert[(layer, e)]
-        if slot == "gate_up":
-            w1, w3 = t[e].chunk(2, dim=0)
-            parts["w1"], parts["w3"] = w1.clone(), w3.clone()
-        elif slot == "gate_up_interleaved":
-            parts["w1"], parts["w3"] = t[e, :, ::2].T.contiguous(), t[e, :, 1::2].T.contiguous()
-        elif slot == "gate_up_bias_interleaved":
-            parts["b1"], parts["b3"] = t[e, ::2].contiguous(), t[e, 1::2].contiguous()
-        elif slot == "down_t":
-            parts["w2"] = t[e].T.contiguous()
-        elif slot == "down_bias":
-            parts["b2"] = t[e].clone()
-        else:
-            parts["w2"] = t[e].clone()
+        expert[(layer, e)].update(fused_expert_parts(slot, t[e]))
+
+
+# The fused slots of GPT-OSS's experts, all of which an expert needs.
+INTERLEAVED_SLOTS = frozenset({"gate_up_interleaved", "gate_up_bias_interleaved", "down_t",
+                               "down_bias"})
+
+
+def fused_expert_parts(slot: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One expert's slice `t` of the fused tensor in `slot` as per-expert slots (w1, w3, w2 and
+    biases b1, b3, b2), copied out of the fused tensor.
+
+    transformers 5 layout: gate_up [2I, H] = cat(w1, w3); down [H, I]. GPT-OSS's: gate_up
+    [H, 2I] with gate in the even columns and up in the odd ones (its _apply_gate slices
+    [..., ::2] and [..., 1::2]), its bias [2I] alike, down [I, H] (x @ W, so transposed to
+    the [out, in] rows F.linear takes), its bias [H].
+    """
+    if slot == "gate_up":
+        w1, w3 = t.chunk(2, dim=0)
+        return {"w1": w1.clone(), "w3": w3.clone()}
+    if slot == "gate_up_interleaved":
+        return {"w1": t[:, ::2].T.contiguous(), "w3": t[:, 1::2].T.contiguous()}
+    if slot == "gate_up_bias_interleaved":
+        return {"b1": t[::2].contiguous(), "b3": t[1::2].contiguous()}
+    if slot == "down_t":
+        return {"w2": t.T.contiguous()}
+    if slot == "down_bias":
+        return {"b2": t.clone()}
+    return {"w2": t.clone()}

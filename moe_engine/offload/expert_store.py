@@ -32,16 +32,17 @@ import torch
 
 from moe_engine.io import atomic_path, default_cache_dir, write_text_atomic
 from moe_engine.model.arch import NameTable
-from moe_engine.model.loader import safetensors_files
+from moe_engine.model.loader import (INTERLEAVED_SLOTS, expert_clamp, fused_expert_parts,
+                                     safetensors_files, swiglu_weights)
 from moe_engine.model.spec import ModelSpec
-from moe_engine.model.weights import ExpertWeights
+from moe_engine.model.weights import ExpertWeights, SwigluClamp
 from moe_engine.offload.disk import (DirectReader, DiskRead, Extent, FileIdentity,
                                      align_up, file_identity, read_bytes)
 
 log = logging.getLogger(__name__)
 
 EXPERT_FILE_VERSION = 1
-_FIELDS = ("w13", "w2", "s13", "s2")
+_FIELDS = ("w13", "w2", "s13", "s2", "b13", "b2")
 _TENSOR_ALIGN = 64  # each tensor of an expert starts on a cache line (vector loads)
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -69,10 +70,12 @@ class TensorSlot:
 @dataclass(frozen=True)
 class ExpertLayout:
     """How one expert's tensors sit in a flat byte buffer of `nbytes` (a multiple of ALIGN, so
-    consecutive experts in a file or a ring stay aligned for O_DIRECT)."""
+    consecutive experts in a file or a ring stay aligned for O_DIRECT), and the activation
+    its views compute (GPT-OSS's clamp, which is no tensor)."""
 
     slots: tuple[TensorSlot, ...]
     nbytes: int
+    clamp: Optional[SwigluClamp] = None
 
     @classmethod
     def of(cls, expert: ExpertWeights) -> "ExpertLayout":
@@ -84,14 +87,14 @@ class ExpertLayout:
             at = align_up(at, _TENSOR_ALIGN)
             slots.append(TensorSlot(name, _DTYPE_NAMES[t.dtype], tuple(t.shape), at))
             at += t.nbytes
-        return cls(tuple(slots), align_up(at))
+        return cls(tuple(slots), align_up(at), expert.clamp)
 
     def view(self, flat: torch.Tensor) -> ExpertWeights:
         """The expert stored in `flat` (uint8, at least nbytes), as zero-copy tensor views."""
         parts = {}
         for s in self.slots:
             parts[s.field] = flat[s.offset:s.offset + s.nbytes].view(_DTYPES[s.dtype]).view(s.shape)
-        return ExpertWeights(**parts)
+        return ExpertWeights(**parts, clamp=self.clamp)
 
     def write(self, expert: ExpertWeights, flat: torch.Tensor) -> None:
         """Copy `expert` (of this layout) into `flat`."""
@@ -103,14 +106,18 @@ class ExpertLayout:
             flat[s.offset:s.offset + s.nbytes].view(t.dtype).view(s.shape).copy_(t)
 
     def to_json(self) -> dict:
-        return {"nbytes": self.nbytes,
-                "slots": [{"field": s.field, "dtype": s.dtype, "shape": list(s.shape),
-                           "offset": s.offset} for s in self.slots]}
+        d = {"nbytes": self.nbytes,
+             "slots": [{"field": s.field, "dtype": s.dtype, "shape": list(s.shape),
+                        "offset": s.offset} for s in self.slots]}
+        if self.clamp is not None:
+            d["clamp"] = {"alpha": self.clamp.alpha, "limit": self.clamp.limit}
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "ExpertLayout":
+        clamp = SwigluClamp(**d["clamp"]) if d.get("clamp") else None
         return cls(tuple(TensorSlot(s["field"], s["dtype"], tuple(s["shape"]), s["offset"])
-                         for s in d["slots"]), int(d["nbytes"]))
+                         for s in d["slots"]), int(d["nbytes"]), clamp)
 
 
 class ExpertSource:
@@ -200,7 +207,8 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, TensorRef]:
 def expert_tensors(model_dir: str | Path, spec: ModelSpec
                    ) -> dict[tuple[int, int], dict[str, TensorRef]]:
     """(layer, expert) -> {"w1", "w3", "w2"} or {"w13", "w2"} (the fused transformers-5
-    layout, whose gate_up[e] already is [gate; up]) byte ranges in the checkpoint."""
+    layout, whose gate_up[e] already is [gate; up]) byte ranges in the checkpoint, or
+    GPT-OSS's INTERLEAVED_SLOTS (which read_expert converts)."""
     table = NameTable(spec.architecture)
     out: dict[tuple[int, int], dict[str, TensorRef]] = {}
     for path in safetensors_files(Path(model_dir)):
@@ -215,19 +223,27 @@ def expert_tensors(model_dir: str | Path, spec: ModelSpec
             per = ref.nbytes // ref.shape[0]
             for e in range(ref.shape[0]):
                 part = TensorRef(ref.path, ref.dtype, ref.shape[1:], ref.offset + e * per, per)
-                out.setdefault((m.layer, e), {})["w13" if m.slot == "gate_up" else "w2"] = part
+                slot = {"gate_up": "w13", "down": "w2"}.get(m.slot, m.slot)
+                out.setdefault((m.layer, e), {})[slot] = part
     for i in range(spec.num_layers):
         for e in range(spec.num_experts if spec.is_moe_layer(i) else 0):
             got = out.get((i, e), {})
-            if not ({"w13", "w2"} <= got.keys() or {"w1", "w3", "w2"} <= got.keys()):
+            if not ({"w13", "w2"} <= got.keys() or {"w1", "w3", "w2"} <= got.keys()
+                    or INTERLEAVED_SLOTS <= got.keys()):
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete "
                                  f"(found {sorted(got)})")
     return out
 
 
 def read_expert(refs: dict[str, TensorRef], dtype: torch.dtype,
-                reader: DirectReader) -> ExpertWeights:
-    """An expert's row-major w13 = [gate; up] and w2 from the checkpoint, cast to `dtype`."""
+                reader: DirectReader, clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
+    """An expert's row-major w13 = [gate; up] and w2 from the checkpoint, cast to `dtype`
+    (GPT-OSS's: de-interleaved and transposed as the loader does, with biases and `clamp`)."""
+    if INTERLEAVED_SLOTS <= refs.keys():
+        parts: dict[str, torch.Tensor] = {}
+        for slot in sorted(INTERLEAVED_SLOTS):
+            parts.update(fused_expert_parts(slot, refs[slot].load(reader).to(dtype)))
+        return swiglu_weights(parts, clamp=clamp)
     if "w13" in refs:
         w13 = refs["w13"].load(reader)
     else:
@@ -240,9 +256,12 @@ def read_expert(refs: dict[str, TensorRef], dtype: torch.dtype,
 def checkpoint_source(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype
                       ) -> Optional[ExpertSource]:
     """The experts read in place from the checkpoint, or None when its tensors are not in
-    `dtype` (the engine would have to convert them: use an ExpertFile)."""
+    `dtype` or not row-major [gate; up] (GPT-OSS's interleaved ones): the engine would have
+    to convert them, use an ExpertFile."""
     refs = expert_tensors(model_dir, spec)
     if any(r.dtype != dtype for parts in refs.values() for r in parts.values()):
+        return None
+    if any(INTERLEAVED_SLOTS & parts.keys() for parts in refs.values()):
         return None
     proto = next(iter(refs.values()))
     w2 = proto["w2"]
@@ -325,7 +344,8 @@ class ExpertFile:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     for n, key in enumerate(_progress(keys, "expert file")):
-                        expert = convert(read_expert(refs[key], dtype, reader))
+                        expert = convert(read_expert(refs[key], dtype, reader,
+                                                     expert_clamp(spec)))
                         layout = layout or ExpertLayout.of(expert)
                         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
                         layout.write(expert, buf)

@@ -18,8 +18,8 @@ Layout (Lightning A.1, MoE-Lens 6.5):
   weights) are read into the disk tier's RAM ring in the order the step consumes them. On a
   backend whose device is the host (CPU) the ring slot is what computes; on CUDA a landed slot
   is copied into the device ring like a host-store expert (disk -> host -> device).
-- An expert is one flat byte buffer in `ExpertLayout` (its w13, w2 and, quantized, scales),
-  the same unit in the host store, the device ring and the disk tier.
+- An expert is one flat byte buffer in `ExpertLayout` (its w13, w2 and, quantized, scales;
+  GPT-OSS's biases too), the same unit in the host store, the device ring and the disk tier.
 
 Every device byte is reserved up front against the budget; nothing is allocated per step, so
 the high-water mark is the reservation and a budget that is too small fails at construction.
