@@ -62,6 +62,10 @@ typedef struct {
     int num_seqs, n_q_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq;
     int dtype; /* MOE_W_F32, MOE_W_BF16 or MOE_W_F16 */
     float scale; /* multiplies q.k */
+    /* GPT-OSS: per query head, a logit that joins the softmax denominator with no value
+     * (NULL: none); window > 0 attends only the last `window` tokens of each context. */
+    const float *sinks; /* [n_q_heads] fp32 or NULL */
+    int window;
 } moe_attn_args;
 
 typedef struct {

@@ -27,6 +27,8 @@ cdef extern from "moe_isa.h" nogil:
         int num_seqs, n_q_heads, n_kv_heads, head_dim, block_size, max_blocks_per_seq
         int dtype
         float scale
+        const float *sinks
+        int window
     ctypedef struct moe_isa_ops:
         const char *name
         int lanes

@@ -35,17 +35,20 @@ def head_dim_multiple(int isa):
 def decode_attention(uintptr_t query, uintptr_t out, uintptr_t key_cache, uintptr_t value_cache,
                      uintptr_t block_tables, uintptr_t context_lens, int num_seqs, int n_q_heads,
                      int n_kv_heads, int head_dim, int num_blocks, int block_size,
-                     int max_blocks_per_seq, int dtype, float scale, int num_threads, int isa):
+                     int max_blocks_per_seq, int dtype, float scale, int num_threads, int isa,
+                     uintptr_t sinks=0, int window=0):
     """Paged decode attention on raw pointers of contiguous tensors.
 
     query/out: fp32 [num_seqs, n_q_heads, head_dim]; caches [num_blocks, n_kv_heads, block_size,
     head_dim] in `dtype` (DTYPE_*); block_tables int32 [num_seqs, max_blocks_per_seq];
-    context_lens int32 [num_seqs]. Releases the GIL; num_threads >= 1 OpenMP threads.
+    context_lens int32 [num_seqs]. sinks: 0, or fp32 [n_q_heads] logits joining each head's
+    softmax denominator; window > 0: only the last `window` tokens of a context are attended
+    (and only their blocks' ids are read). Releases the GIL; num_threads >= 1 OpenMP threads.
     """
     cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef const int32_t *bt = <const int32_t *>block_tables
     cdef const int32_t *cl = <const int32_t *>context_lens
-    cdef int s, b, nb, blk, bad = -1, rc
+    cdef int s, b, nb, blk, first, bad = -1, rc
     cdef moe_attn_args args
     if dtype != MOE_W_F32 and dtype != MOE_W_BF16 and dtype != MOE_W_F16:
         raise ValueError(f"unknown storage dtype code {dtype}")
@@ -59,7 +62,8 @@ def decode_attention(uintptr_t query, uintptr_t out, uintptr_t key_cache, uintpt
             if cl[s] < 0 or nb > max_blocks_per_seq:
                 bad = s
                 break
-            for b in range(nb):
+            first = (cl[s] - window) // block_size if window > 0 and cl[s] > window else 0
+            for b in range(first, nb):
                 blk = bt[<int64_t>s * max_blocks_per_seq + b]
                 if blk < 0 or blk >= num_blocks:
                     bad = s
@@ -84,6 +88,8 @@ def decode_attention(uintptr_t query, uintptr_t out, uintptr_t key_cache, uintpt
     args.max_blocks_per_seq = max_blocks_per_seq
     args.dtype = dtype
     args.scale = scale
+    args.sinks = <const float *>sinks
+    args.window = window
     with nogil:
         rc = ops.decode_attention(&args, max(num_threads, 1))
     if rc != 0:

@@ -367,13 +367,16 @@ static void attn_task(const moe_attn_args *a, int64_t task, float *qs, float *ac
     }
     memset(acc, 0, sizeof(float) * group * d);
     memset(l, 0, sizeof(float) * group * VW);
-    for (int b = 0; b < nblocks; b++) {
+    /* A window starts the walk at the first token it keeps (blocks before it are never read,
+     * so their table entries may be freed). */
+    const int from = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    for (int b = from / bs; b < nblocks; b++) {
         const int64_t here = ((int64_t)table[b] * n_kv + h) * run;
         /* Blocks are scattered, so the hardware prefetcher restarts at every block; fetching
          * the next block during this one overlaps its DRAM latency with this block's work. */
         const int64_t next = b + 1 < nblocks ? ((int64_t)table[b + 1] * n_kv + h) * run : 0;
         const int ntok = ctx - b * bs < bs ? ctx - b * bs : bs;
-        for (int j0 = 0; j0 < ntok; j0 += CH) {
+        for (int j0 = b == from / bs ? from - b * bs : 0; j0 < ntok; j0 += CH) {
             const int64_t pf_off = (j0 / CH) * pf_share;
             int64_t pf_bytes = b + 1 < nblocks ? run - pf_off : 0;
             pf_bytes = pf_bytes < 0 ? 0 : pf_bytes < pf_share ? pf_bytes : pf_share;
@@ -393,7 +396,14 @@ static void attn_task(const moe_attn_args *a, int64_t task, float *qs, float *ac
         float sum = 0.0f;
         for (int i = 0; i < VW; i++) sum += l[g * VW + i];
         /* ctx == 0 leaves l == 0: the output is defined as zeros (no keys, nothing to attend) */
-        attn_from_lanes(dt, acc + g * d, out + g * d, d, sum > 0.0f ? 1.0f / sum : 0.0f);
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        if (a->sinks != NULL && sum > 0.0f) {
+            /* the sink's term at the same reference max; in double, so a sink far above the
+             * scores gives an output near 0, not inf/inf */
+            const double sink = a->sinks[h * group + g];
+            inv = (float)(1.0 / ((double)sum + exp(sink - (double)m[g])));
+        }
+        attn_from_lanes(dt, acc + g * d, out + g * d, d, inv);
     }
 }
 

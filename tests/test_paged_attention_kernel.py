@@ -257,13 +257,37 @@ def test_torch_reference_with_sinks_and_window_matches_fp64(window):
     assert (ref - plain).abs().max() > 1e-2  # the sinks and the window change the result
 
 
-def test_sinks_and_windows_take_the_torch_path_and_say_why():
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("window", [None, 1, 7, 16, 33, 5000])
+def test_kernel_with_sinks_and_window_matches_fp64(isa, dtype, window):
+    """GPT-OSS in the kernel: the sink is one more term of the running sum, the window starts
+    the walk at its first token (mid-block too); the ids of blocks before the window are -1
+    (freed), which the kernel must neither check nor read."""
+    contexts = [0, 1, BLOCK - 1, BLOCK + 1, 50, 2500]
+    query, kc, vc, tables, lens = make_inputs(contexts, n_kv=2, group=4, d=64, dtype=dtype,
+                                              seed=3)
+    # Sinks far above and below the scores too: the output then tends to 0 or to plain attention.
+    sinks = torch.tensor([0.5, -1.0, 3.0, 40.0, -40.0, 0.0, 2.0, -3.0])
+    if window is not None:
+        for i, n in enumerate(contexts):
+            tables[i, :max(0, n - window) // BLOCK] = -1
+    out = paged_decode_attention(query, kc, vc, tables, lens, 0.125, isa=isa, sinks=sinks,
+                                 window=window)
+    ref = fp64_attention(query, kc, vc, tables.clamp(min=0), lens, 0.125, sinks=sinks,
+                         window=window)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+    assert out[:, 3].abs().max() < 1e-6  # the head whose sink dwarfs its scores
+
+
+def test_sinks_and_windows_run_on_the_kernel_and_unknown_features_fall_back():
     features = ("attention sinks", "sliding-window layers")
-    with pytest.raises(RuntimeError, match="attention sinks or sliding-window layers"):
-        DecodeAttention("cython", head_dim=64, features=features)
-    attention = DecodeAttention("auto", head_dim=64, features=features)
+    assert DecodeAttention("auto", head_dim=64, features=features).name == "cython"
+    with pytest.raises(RuntimeError, match="does not compute latent attention"):
+        DecodeAttention("cython", head_dim=64, features=("latent attention",))
+    attention = DecodeAttention("auto", head_dim=64, features=("latent attention",))
     assert attention.name == "torch"
-    assert "does not compute attention sinks or sliding-window layers" in attention.describe()
+    assert "does not compute latent attention" in attention.describe()
 
 
 def test_kernel_releases_the_gil():

@@ -152,8 +152,8 @@ class DecodeAttention:
     falling back. `name` is the path that runs ('cython' or 'torch'), `isa` the kernel's ISA
     build (None on torch), `describe()` both, or why the fallback was taken.
     `features` names what the model's attention adds to plain causal attention (ModelSpec
-    .attention_features: GPT-OSS's sinks and sliding-window layers); the kernel computes none
-    of them yet, so auto takes the torch reference for such a model and 'cython' refuses it.
+    .attention_features: GPT-OSS's sinks and sliding-window layers); a kernel build without
+    one of them (paged_attention.FEATURES) is passed over by auto and refused by 'cython'.
     """
 
     def __init__(self, impl: str = "auto", num_threads: int = 0,
@@ -172,8 +172,9 @@ class DecodeAttention:
         kernels = _load_kernels()
         reason = ("the Cython kernels are not built" if kernels is None
                   else kernels.kernel_unavailable(head_dim))
-        if reason is None and features:
-            reason = f"the Cython kernel does not compute {' or '.join(features)}"
+        missing = [f for f in features if kernels is not None and f not in kernels.FEATURES]
+        if reason is None and missing:
+            reason = f"the Cython kernel does not compute {' or '.join(missing)}"
         if reason is None:
             self.write_kv = kernels.write_kv
             self.decode = kernels.paged_decode_attention
@@ -196,8 +197,7 @@ class DecodeAttention:
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, sinks: Optional[torch.Tensor] = None,
                  window: Optional[int] = None) -> torch.Tensor:
-        # The extra arguments only reach the torch reference (the kernel is not chosen for a
-        # model that has them, see __init__).
+        # Only models with sinks or windows pass them (the paths take both).
         extra = {} if sinks is None and window is None else {"sinks": sinks, "window": window}
         return self.decode(query, key_cache, value_cache, block_tables, context_lens, scale,
                            num_threads=self.num_threads, **extra)

@@ -32,6 +32,8 @@ from moe_engine.model.kernel_import import import_kernel
 _ext = import_kernel("moe_engine._kernels.paged_attention")
 
 HAS_CYTHON_KERNELS: bool = _ext is not None
+# What the kernel adds to plain causal attention (ModelSpec.attention_features names).
+FEATURES: tuple[str, ...] = ("attention sinks", "sliding-window layers")
 HAS_OPENMP: bool = bool(_ext is not None and _ext.OPENMP_ENABLED)
 # The ISA build that runs: one choice per process, shared with the packed kernels.
 ISA: Optional[str] = packed.ISA if _ext is not None else None
@@ -136,7 +138,8 @@ def _check_attention_args(query, key_cache, value_cache, block_tables, context_l
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                            out: torch.Tensor | None = None, num_threads: int = 0,
-                           isa: Optional[str] = None) -> torch.Tensor:
+                           isa: Optional[str] = None, sinks: Optional[torch.Tensor] = None,
+                           window: Optional[int] = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached keys and values.
 
     query [num_seqs, n_q_heads, head_dim], fp32 or the cache dtype (the output has the query
@@ -146,10 +149,17 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     scale multiplies q.k (usually head_dim ** -0.5). Query heads h*G..h*G+G-1 share KV head h
     (G = n_q_heads / n_kv_heads). num_threads 0 uses torch.get_num_threads(). isa None runs
     the ISA chosen at import (ISA). Softmax and accumulation are fp32; a sequence's result does
-    not depend on num_threads nor on the other sequences of the call.
+    not depend on num_threads nor on the other sequences of the call. GPT-OSS: sinks [n_q]
+    (any float dtype) join each head's softmax denominator; with a window only the last
+    `window` tokens of a context are attended (the table entries of earlier blocks are not read).
     """
     _check_attention_args(query, key_cache, value_cache, block_tables, context_lens, out)
     num_seqs, n_q, d = query.shape
+    if sinks is not None:
+        _require(sinks.shape == (n_q,) and sinks.device.type == "cpu",
+                 f"sinks must be a CPU tensor [{n_q}], got {tuple(sinks.shape)} on {sinks.device}")
+        sinks = sinks.float().contiguous()
+    _require(window is None or window > 0, f"window must be positive, got {window}")
     _require_kernel()
     isa = _isa(isa)
     _require_kernel(d, isa)
@@ -166,7 +176,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                           value_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
                           num_seqs, n_q, n_kv, d, num_blocks, block_size, block_tables.shape[1],
                           _DTYPE_CODES[key_cache.dtype], float(scale), threads,
-                          packed.isa_code(isa))
+                          packed.isa_code(isa), sinks.data_ptr() if sinks is not None else 0,
+                          window or 0)
     if res.dtype == query.dtype:
         return res
     if out is None:
