@@ -13,7 +13,7 @@ from moe_engine.perf.reference_models import REFERENCE_CONFIGS, reference_model
 # Published total parameter counts (billions).
 PUBLISHED_PARAMS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "qwen1.5-moe-a2.7b": 14.3,
                     "qwen3-30b-a3b": 30.5, "olmoe-1b-7b": 6.9, "deepseek-v2-lite": 15.7,
-                    "glm-4.5": 355, "glm-4.5-air": 106}
+                    "glm-4.5": 355, "glm-4.5-air": 106, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
@@ -77,6 +77,30 @@ def test_glm_4_5_air_dense_first_layer_shared_expert_and_router():
     assert m.kv_bytes_per_token == 46 * 8 * 2 * 128 * 2
     full = reference_model("glm-4.5")
     assert full.dense_layers == (0, 1, 2) and full.qk_norm == "head" and full.routed_scaling_factor == 2.5
+
+
+# GPT-OSS model card: total and active parameters (billions). Its "active" count takes in the
+# unembedding (the LM head) besides the decoder layers a token runs through, so that is added
+# to active_params (which leaves both embedding tables out, as the GLM figures do): 3.61B and
+# 5.13B. Biases, attention sinks and router biases are counted.
+@pytest.mark.parametrize("name, total, active", [("gpt-oss-20b", 20.9, 3.6),
+                                                 ("gpt-oss-120b", 116.8, 5.1)])
+def test_gpt_oss_reference_configs_match_published_total_and_active_counts(name, total, active):
+    m = reference_model(name)
+    assert m.total_params / 1e9 == pytest.approx(total, rel=0.01)
+    unembedding = m.vocab_size * m.hidden_size
+    assert (m.active_params + unembedding) / 1e9 == pytest.approx(active, rel=0.01)
+
+
+def test_gpt_oss_biases_sinks_and_windowed_layers():
+    m = reference_model("gpt-oss-20b")
+    assert m.num_windowed_layers == 12 and m.attention_window(0) == 128
+    assert m.attention_window(1) is None
+    # one expert: gate|up and down with their biases
+    assert m.expert_params == 3 * 2880 * 2880 + 2 * 2880 + 2880
+    # q/k/v/o and their biases, plus one sink per query head
+    assert m.attn_params_per_layer == 2880 * (4096 + 2 * 512) + 4096 * 2880 + 4096 + 2 * 512 + 2880 + 64
+    assert m.router_params == 2880 * 32 + 32
 
 
 def test_qwen3_moe_explicit_head_dim():

@@ -8,6 +8,23 @@ from typing import Any
 
 from .specs import ModelSpec
 
+def _gpt_oss(**sizes: Any) -> dict[str, Any]:
+    """GPT-OSS-20B/120B: the same per-layer shapes, windowed (128) and full layers alternating."""
+    layers = sizes["num_hidden_layers"]
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(layers)],
+        "attention_bias": True, "swiglu_limit": 7.0, "max_position_embeddings": 131072,
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 4096},
+        "vocab_size": 201088, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **sizes,
+    }
+
+
 REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": {
         "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -64,6 +81,10 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "rope_theta": 1000000, "vocab_size": 151552,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
+    # The released checkpoints store the experts in MXFP4, which the engine refuses
+    # (config_audit): these are the bf16 checkpoints the engine loads, sized at 2 bytes.
+    "gpt-oss-20b": _gpt_oss(num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": _gpt_oss(num_hidden_layers=36, num_local_experts=128),
 }
 
 
