@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,14 +130,47 @@ def test_same_tokens_when_kv_budget_forces_preemption(model_dir, hf_reference):
     longest = max(len(ids) for ids, _, _ in hf_reference.values()) + NEW_TOKENS
     num_blocks = (longest + block_size - 1) // block_size + 6  # room for ~2 sequences
     budget = num_blocks * block_size * kv_bytes_per_token(spec, torch.float32) / GB
+    windowed = spec.num_windowed_layers
+    if 0 < windowed < spec.num_layers:
+        # GPT-OSS: the windowed layers' pool takes half the budget (kv_pool_blocks), the full
+        # layers num_blocks of the other half.
+        full = spec.num_layers - windowed
+        budget = 2 * num_blocks * block_size * full * spec.kv_bytes_per_token_layer / GB
     small = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=budget,
                                               block_size=block_size), dtype="float32")
     assert small.allocator.num_blocks == num_blocks
     results = _run(small, _requests(range(len(PROMPTS))))
     assert small.stats.preemptions > 0
     assert small.stats.kv_blocks_high_water <= num_blocks
+    if small.window_pool is not None:
+        assert small.window_pool.allocator.high_water <= small.window_blocks
     for rid, (_, tokens, _) in hf_reference.items():
         assert results[rid].token_ids == tokens, rid
+
+
+def test_sliding_layers_hold_only_the_window_of_a_long_generation(builtin_dir):
+    """GPT-OSS's windowed layers keep the blocks of the last `window` positions only: over 40
+    new tokens a sequence never holds more than window_blocks_per_sequence of them (blocks
+    leaving the window are freed and reused by the same and other sequences), and the tokens
+    and logits stay transformers'."""
+    model_dir = builtin_dir("tiny-gpt-oss")
+    spec = load_spec(model_dir)
+    engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.02, block_size=4),
+                       dtype="float32")
+    indices = [2, 8, 1]
+    new_tokens = 40
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules[__name__], "NEW_TOKENS", new_tokens)
+        reference = _hf_generate(_hf_model(model_dir), engine.tokenizer,
+                                 [PROMPTS[i] for i in indices])
+        reference = {str(i): reference[str(k)] for k, i in enumerate(indices)}
+        assert all(len(tokens) == new_tokens for _, tokens, _ in reference.values())
+        _assert_matches(engine, reference, _requests(indices))
+    per_seq = spec.window_blocks_per_sequence(4)
+    assert engine.window_pool.allocator.high_water <= len(indices) * per_seq
+    longest = max(len(ids) for ids, _, _ in reference.values()) + new_tokens
+    assert engine.allocator.high_water >= longest // 4  # the full layers keep everything
+    assert engine.window_pool.allocator.num_used == 0  # all returned at the end
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):

@@ -7,7 +7,7 @@ import torch
 from moe_engine.model.attention import (DecodeAttention, prefill_attention, torch_paged_decode_attention,
                                   torch_write_kv)
 from moe_engine.engine.block_manager import BlockAllocator
-from moe_engine.model.kv_cache import KVCache, blocks_for_budget, kv_bytes_per_token
+from moe_engine.model.kv_cache import (KVCache, blocks_for_budget, kv_bytes_per_token, kv_pool_blocks)
 from moe_engine.model.spec import ModelSpec, RopeSpec
 
 
@@ -138,3 +138,25 @@ def test_unknown_or_unbuilt_attention_impl_is_an_error():
             DecodeAttention("cython")
     else:
         assert DecodeAttention("cython").name == "cython"
+
+
+def test_windowed_layers_get_a_pool_of_their_own():
+    """GPT-OSS-like: layers 0 and 2 windowed to 8 tokens. Their pool holds max_num_seqs
+    sequences' windows (3 blocks of 4 each) within half the budget, the full layer the rest;
+    each layer's cache tensor has its pool's block count."""
+    import dataclasses
+
+    spec = dataclasses.replace(_spec(layers=3), sliding_window=8, layer_types=(
+        "sliding_attention", "full_attention", "sliding_attention"))
+    layer_block = spec.kv_bytes_per_token_layer * 4
+    budget = 1000 * layer_block / 1e9
+    full, window = kv_pool_blocks(spec, torch.float32, budget, 4, max_num_seqs=10)
+    assert window == 10 * spec.window_blocks_per_sequence(4) == 30
+    assert full == 1000 - 2 * 30
+    # A budget too small for max_num_seqs windows: half of it, at least one sequence's.
+    assert kv_pool_blocks(spec, torch.float32, budget, 4, max_num_seqs=1000)[1] == 250
+    cache = KVCache.allocate(spec, full, 4, torch.float32, window)
+    assert [t.shape[0] for t in cache.key] == [30, 940, 30] == [t.shape[0] for t in cache.value]
+    assert cache.num_blocks == 940
+    # Without windowed layers (or with every layer windowed) one pool, as before.
+    assert kv_pool_blocks(_spec(), torch.float32, budget, 4, 10)[1] is None

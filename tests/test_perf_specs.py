@@ -101,6 +101,11 @@ def test_gpt_oss_biases_sinks_and_windowed_layers():
     # q/k/v/o and their biases, plus one sink per query head
     assert m.attn_params_per_layer == 2880 * (4096 + 2 * 512) + 4096 * 2880 + 4096 + 2 * 512 + 2880 + 64
     assert m.router_params == 2880 * 32 + 32
+    # KV: the 12 full layers hold every token, the 12 sliding ones a window of 128 in whole
+    # blocks (9 of 16 tokens), as the engine's window pool does.
+    per_layer = 8 * 2 * 64 * 2
+    assert m.kv_bytes_per_sequence(4096, 16) == per_layer * (12 * 4096 + 12 * 144)
+    assert m.kv_bytes_per_sequence(100, 16) == 100 * m.kv_bytes_per_token
 
 
 def test_qwen3_moe_explicit_head_dim():

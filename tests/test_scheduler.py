@@ -1,5 +1,5 @@
 """Scheduler (MoE-Lens 6.2): decode first, preempt newest, prefill budget, KV admission."""
-from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.engine.block_manager import BlockAllocator, WindowPool
 from moe_engine.engine.request import SamplingParams
 from moe_engine.engine.scheduler import Scheduler
 from moe_engine.engine.sequence import Sequence
@@ -129,3 +129,30 @@ def test_a_decoding_prompt_still_takes_the_one_slot_beside_scoring_prompts():
     # "d" would be a second decoding sequence with N=1: admission stops at it, in order.
     assert sorted(s.request_id for s in step.sequences) == ["a", "b", "c"]
     assert [s.request_id for s in sched.waiting] == ["d", "e"]
+
+
+def test_window_pool_frees_blocks_that_left_the_window_and_bounds_admission():
+    """Sliding-window layers (GPT-OSS) keep a sequence's last `window` positions only: blocks
+    before them return to the pool as the sequence grows, table entries -1; a prompt whose
+    window does not fit in the pool waits, as for the full layers' blocks."""
+    window = WindowPool(BlockAllocator(6, 4), window=8)
+    sched = Scheduler(BlockAllocator(100, 4), max_num_seqs=4, max_prefill_tokens=1000,
+                      window_pool=window)
+    a = _seq(10, "a")
+    sched.add(a)
+    sched.schedule()
+    # 10 prompt tokens: positions 2..9 are the window, blocks 0..2; block 0 holds 2 and 3.
+    assert len(a.block_table) == 3 and [b >= 0 for b in a.window_table] == [True] * 3
+    for _ in range(6):  # 16 tokens: window 8..15, blocks 2 and 3 only
+        a.num_cached_tokens = a.num_tokens
+        a.token_ids.append(1)
+        sched.schedule()
+    assert a.num_tokens == 16 and [b >= 0 for b in a.window_table] == [False, False, True, True]
+    assert window.allocator.num_used == 2 and len(a.block_table) == 4
+    b, c = _seq(9, "b"), _seq(9, "c")
+    sched.add(b)
+    sched.add(c)
+    sched.schedule()  # b takes 3 window blocks, c does not fit (1 left)
+    assert b.window_table and not c.window_table and window.allocator.num_used == 5
+    sched.finish(a)
+    assert window.allocator.num_used == 3 and not a.window_table

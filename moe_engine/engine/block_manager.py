@@ -41,3 +41,48 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
+
+
+class WindowPool:
+    """The blocks of a model's sliding-window layers (GPT-OSS), apart from the full layers'.
+
+    A query at position p of such a layer sees keys (p - window, p] only, so a sequence of t
+    tokens (the one being written included) keeps just the blocks of positions
+    [t - window, t - 1]: ModelSpec.window_blocks_per_sequence at most, however long it grows.
+    A sequence's `window_table` is indexed by block position like `block_table`; entries of
+    blocks that left the window are -1 (freed, never read: see paged_attention's window).
+    """
+
+    def __init__(self, allocator: BlockAllocator, window: int):
+        self.allocator = allocator
+        self.window = window
+
+    def _live(self, num_tokens: int) -> range:
+        bs = self.allocator.block_size
+        return range(max(0, num_tokens - self.window) // bs, (num_tokens - 1) // bs + 1)
+
+    def needed(self, table: list[int], num_tokens: int) -> int:
+        """New blocks a table needs to hold the window of `num_tokens` tokens."""
+        return sum(1 for b in self._live(num_tokens) if b >= len(table) or table[b] < 0)
+
+    def expire(self, table: list[int], num_tokens: int) -> None:
+        """Free the table's blocks that left the window of `num_tokens` tokens (always safe:
+        no later step reads them)."""
+        first = self._live(num_tokens).start
+        for b in range(min(first, len(table))):
+            if table[b] >= 0:
+                self.allocator.free([table[b]])
+                table[b] = -1
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Expire, then allocate the window's missing blocks (callers check `needed` first)."""
+        self.expire(table, num_tokens)
+        live = self._live(num_tokens)
+        table.extend([-1] * (live.stop - len(table)))
+        for b in live:
+            if table[b] < 0:
+                table[b] = self.allocator.allocate(1)[0]
+
+    def release(self, table: list[int]) -> None:
+        self.allocator.free([b for b in table if b >= 0])
+        table.clear()

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
-from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.engine.block_manager import BlockAllocator, WindowPool
 from moe_engine.engine.calibrate import find_or_record_routing
 from moe_engine.engine.memory import rss_bytes
 from moe_engine.engine.model_runner import ModelRunner
@@ -26,7 +26,7 @@ from moe_engine.engine.stats import EngineStats
 from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
 from moe_engine.engine.tokenizer import load_tokenizer
 from moe_engine.model.attention import DecodeAttention
-from moe_engine.model.kv_cache import KVCache, blocks_for_budget
+from moe_engine.model.kv_cache import KVCache, kv_pool_blocks
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
 from moe_engine.model.spec import ModelSpec, load_spec
@@ -80,8 +80,10 @@ class LLMEngine:
         rss_after = rss_bytes()
         loaded_rss = (rss_after - rss_before) if None not in (rss_before, rss_after) else 0
         self.loaded_bytes = max(self.weights_bytes, loaded_rss)
-        num_blocks = blocks_for_budget(self.spec, kv_dtype, config.kv_cache_gb, config.block_size)
-        cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype)
+        num_blocks, window_blocks = kv_pool_blocks(self.spec, kv_dtype, config.kv_cache_gb,
+                                                   config.block_size, config.max_num_seqs)
+        cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype,
+                                 window_blocks)
         runner = ModelRunner(self.spec, weights, cache,
                              DecodeAttention(config.attention, threads,
                                              head_dim=self.spec.head_dim,
@@ -90,6 +92,7 @@ class LLMEngine:
         eos = frozenset(tokenizer.eos_token_ids) or frozenset(self.spec.eos_token_ids)
         self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,
                         tokenizer)
+        self.window_blocks = window_blocks
         self.threads = threads
         if settings is not None:
             # With the disk tier the plain runner has no experts to calibrate on: the pipeline
@@ -125,6 +128,9 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.allocator = BlockAllocator(num_blocks, config.block_size)
+        # Blocks of the sliding-window layers' own pool (kv_pool_blocks), None without one.
+        self.window_blocks: Optional[int] = None
+        self.window_pool: Optional[WindowPool] = None
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -175,8 +181,11 @@ class LLMEngine:
     def generate(self, requests: Iterable[Request]) -> Iterator[RequestResult]:
         """Run all requests; yield each result as it completes (rejected ones at once)."""
         self.allocator = BlockAllocator(self.allocator.num_blocks, self.allocator.block_size)
+        self.window_pool = None if self.window_blocks is None else WindowPool(
+            BlockAllocator(self.window_blocks, self.allocator.block_size), self.spec.sliding_window)
         self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs,
-                                   self.config.max_prefill_tokens, self.config.num_micro_batches)
+                                   self.config.max_prefill_tokens, self.config.num_micro_batches,
+                                   window_pool=self.window_pool)
         self.stats = EngineStats(kv_blocks_total=self.allocator.num_blocks,
                                  kv_block_size=self.allocator.block_size,
                                  gemm_path=self.gemm_path,
@@ -260,7 +269,8 @@ class LLMEngine:
             raise RuntimeError("scheduler produced an empty step with work pending "
                                "(KV cache too small for any waiting sequence)")
         seqs = step.sequences
-        inputs = [micro_batch_input(mb, self.allocator.block_size) for mb in step.micro_batches]
+        inputs = [micro_batch_input(mb, self.allocator.block_size, self.window_pool is not None)
+                  for mb in step.micro_batches]
         t1 = time.perf_counter()
         try:
             logits = self.runner.forward(inputs)

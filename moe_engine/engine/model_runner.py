@@ -38,6 +38,10 @@ class MicroBatchInput:
     block_tables: Optional[torch.Tensor]  # int32 [num_decode, max_blocks]
     context_lens: Optional[torch.Tensor]  # int32 [num_decode], including the new token
     logits_indices: torch.Tensor  # int64 [num_seqs]: last token of each sequence
+    # The sliding-window layers' own slots and tables (engine/block_manager.WindowPool), where
+    # the cache keeps them apart; None: those layers use slot_mapping and block_tables.
+    window_slot_mapping: Optional[torch.Tensor] = None
+    window_block_tables: Optional[torch.Tensor] = None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -118,16 +122,19 @@ class ModelRunner:
         """Store the new K/V, then prefill attention on the fresh K/V and decode on the cache."""
         t0 = time.perf_counter()
         kc, vc = self.cache.key[layer], self.cache.value[layer]
-        self.attention.write_kv(kc, vc, act.k, act.v, mb.slot_mapping)
-        npf = mb.num_prefill_tokens
-        out = torch.empty_like(act.q)
         sinks = self.weights.layers[layer].dense.sinks
         window = self.spec.attention_window(layer)
+        slots, tables = mb.slot_mapping, mb.block_tables
+        if window is not None and mb.window_slot_mapping is not None:
+            slots, tables = mb.window_slot_mapping, mb.window_block_tables
+        self.attention.write_kv(kc, vc, act.k, act.v, slots)
+        npf = mb.num_prefill_tokens
+        out = torch.empty_like(act.q)
         if npf:
             out[:npf] = prefill_attention(act.q[:npf], act.k[:npf], act.v[:npf], mb.prefill_lens,
                                           self.scale, sinks=sinks, window=window)
         if mb.num_decode:
-            out[npf:] = self.attention(act.q[npf:].contiguous(), kc, vc, mb.block_tables,
+            out[npf:] = self.attention(act.q[npf:].contiguous(), kc, vc, tables,
                                        mb.context_lens, self.scale, sinks=sinks, window=window)
         act.attn = out.reshape(out.shape[0], -1)
         act.q = act.k = act.v = None

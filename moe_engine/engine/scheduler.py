@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from moe_engine.engine.batching import partition
-from moe_engine.engine.block_manager import BlockAllocator
+from moe_engine.engine.block_manager import BlockAllocator, WindowPool
 from moe_engine.engine.sequence import Sequence, SequenceStatus
 
 
@@ -39,8 +40,11 @@ class Scheduler:
     """Waiting queue + running set over a block allocator."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_prefill_tokens: int,
-                 num_micro_batches: int = 1, watermark: float = 0.01):
+                 num_micro_batches: int = 1, watermark: float = 0.01,
+                 window_pool: Optional[WindowPool] = None):
         self.allocator = allocator
+        # The sliding-window layers' own blocks (GPT-OSS); None: every layer in `allocator`.
+        self.window_pool = window_pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.num_micro_batches = num_micro_batches
@@ -103,10 +107,12 @@ class Scheduler:
                 break
             need = self.allocator.blocks_needed(n)
             reserve = self.watermark_blocks if self.running else 0
-            if self.allocator.num_free - need < reserve:
+            if self.allocator.num_free - need < reserve or not self._window_fits(seq, n):
                 break
             self.waiting.popleft()
             seq.block_table = self.allocator.allocate(need)
+            if self.window_pool is not None:
+                self.window_pool.grow(seq.window_table, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
@@ -132,8 +138,7 @@ class Scheduler:
         # Aborted prefills go back to the head of the queue in order, blocks returned, and are
         # retried next step; an aborted decode keeps its blocks and skips this step.
         for seq in reversed([s for s in part.aborted if s.is_prefill]):
-            self.allocator.free(seq.block_table)
-            seq.block_table = []
+            self._release(seq)
             seq.status = SequenceStatus.WAITING
             self.running.remove(seq)
             self.waiting.appendleft(seq)
@@ -146,20 +151,35 @@ class Scheduler:
                 step.num_decode_tokens += 1
         return step
 
+    def _window_fits(self, seq: Sequence, num_tokens: int) -> bool:
+        pool = self.window_pool
+        return pool is None or pool.allocator.can_allocate(pool.needed(seq.window_table, num_tokens))
+
     def _can_append(self, seq: Sequence) -> bool:
+        if self.window_pool is not None:
+            # Blocks that left the window go back first: a sequence never waits on its own.
+            self.window_pool.expire(seq.window_table, seq.num_tokens)
         need = self.allocator.blocks_needed(seq.num_tokens) - len(seq.block_table)
-        return need <= 0 or self.allocator.can_allocate(need)
+        return (need <= 0 or self.allocator.can_allocate(need)) and \
+            self._window_fits(seq, seq.num_tokens)
 
     def _append_slot(self, seq: Sequence) -> None:
         need = self.allocator.blocks_needed(seq.num_tokens) - len(seq.block_table)
         if need > 0:
             seq.block_table.extend(self.allocator.allocate(need))
+        if self.window_pool is not None:
+            self.window_pool.grow(seq.window_table, seq.num_tokens)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        if self.window_pool is not None:
+            self.window_pool.release(seq.window_table)
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and requeue it at the head for recompute."""
         self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._release(seq)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -170,6 +190,5 @@ class Scheduler:
         """A finished sequence leaves at once and returns its blocks."""
         if seq in self.running:
             self.running.remove(seq)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED

@@ -30,6 +30,7 @@ class Sequence:
         self.max_total_tokens = max_total_tokens
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.window_table: list[int] = []  # sliding-window layers' blocks (WindowPool)
         self.num_cached_tokens = 0  # tokens whose K/V are in the cache
         self.finish_reason: Optional[str] = None
         self.stop_text: Optional[str] = None  # completion text cut at a stop string

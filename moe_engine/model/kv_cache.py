@@ -6,6 +6,7 @@ sequence is block_table[p // block_size] * block_size + p % block_size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -25,6 +26,26 @@ def blocks_for_budget(spec: ModelSpec, dtype: torch.dtype, budget_gb: float, blo
     return int(budget_gb * GB // per_block)
 
 
+def kv_pool_blocks(spec: ModelSpec, dtype: torch.dtype, budget_gb: float, block_size: int,
+                   max_num_seqs: int) -> tuple[int, Optional[int]]:
+    """(blocks of the full layers, blocks of the sliding-window layers or None) for a budget.
+
+    A model with both kinds of layers (GPT-OSS) keeps its windowed layers' K/V in a pool of
+    their own, where a sequence holds at most spec.window_blocks_per_sequence blocks however long
+    it grows: enough for max_num_seqs sequences, within half the budget (at least one sequence's
+    worth); the full layers get the rest. Otherwise every layer shares one pool, as before.
+    """
+    if not spec.pools_window_kv:
+        return blocks_for_budget(spec, dtype, budget_gb, block_size), None
+    windowed = spec.num_windowed_layers
+    layer_block = spec.with_dtype(str(dtype)).kv_bytes_per_token_layer * block_size
+    per_seq = spec.window_blocks_per_sequence(block_size)
+    half = int(budget_gb * GB / 2 // (windowed * layer_block))
+    window_blocks = max(per_seq, min(max_num_seqs * per_seq, half))
+    rest = budget_gb * GB - window_blocks * windowed * layer_block
+    return int(rest // ((spec.num_layers - windowed) * layer_block)), window_blocks
+
+
 @dataclass
 class KVCache:
     """The cache tensors: key[layer] and value[layer], each [num_blocks, n_kv, block_size, d]."""
@@ -35,15 +56,25 @@ class KVCache:
 
     @classmethod
     def allocate(cls, spec: ModelSpec, num_blocks: int, block_size: int,
-                 dtype: torch.dtype) -> "KVCache":
+                 dtype: torch.dtype, window_blocks: Optional[int] = None) -> "KVCache":
+        """num_blocks per layer, or window_blocks on the sliding-window layers when given
+        (kv_pool_blocks)."""
         if num_blocks < 1:
             raise ValueError("KV cache budget is smaller than one block")
-        shape = (spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
-        # One allocation per K/V; zeros so stale pages never hold NaNs a masked kernel could touch.
-        k = torch.zeros(shape, dtype=dtype)
-        v = torch.zeros(shape, dtype=dtype)
-        return cls(key=list(k.unbind(0)), value=list(v.unbind(0)), block_size=block_size)
+        blocks_of = [window_blocks if window_blocks is not None and
+                     spec.attention_window(i) is not None else num_blocks
+                     for i in range(spec.num_layers)]
+        # One allocation per K/V and pool; zeros so stale pages never hold NaNs a masked
+        # kernel could touch.
+        pools = {}
+        for blocks in set(blocks_of):
+            shape = (blocks_of.count(blocks), blocks, spec.num_kv_heads, block_size, spec.head_dim)
+            pools[blocks] = (iter(torch.zeros(shape, dtype=dtype).unbind(0)),
+                             iter(torch.zeros(shape, dtype=dtype).unbind(0)))
+        return cls(key=[next(pools[b][0]) for b in blocks_of],
+                   value=[next(pools[b][1]) for b in blocks_of], block_size=block_size)
 
     @property
     def num_blocks(self) -> int:
-        return self.key[0].shape[0]
+        """Blocks of the largest pool (the full layers' where a model has two)."""
+        return max(t.shape[0] for t in self.key)

@@ -366,6 +366,27 @@ class ModelSpec:
         """K and V of one token across all layers (what one slot of the host KV cache holds)."""
         return self.num_layers * self.kv_bytes_per_token_layer
 
+    @property
+    def pools_window_kv(self) -> bool:
+        """Whether the engine keeps the sliding-window layers' K/V in a pool of their own, which
+        holds only each sequence's window (a model with both kinds of layers, GPT-OSS)."""
+        return 0 < self.num_windowed_layers < self.num_layers
+
+    def window_blocks_per_sequence(self, block_size: int) -> int:
+        """Most blocks a sequence holds on a sliding layer: its window of tokens straddles one
+        block more than it fills."""
+        return -(-int(self.sliding_window or 0) // block_size) + 1
+
+    def kv_bytes_per_sequence(self, tokens: float, block_size: int = 1) -> float:
+        """K and V a sequence of `tokens` tokens holds across all layers: every token on the full
+        layers, at most its window's blocks on the sliding ones where they are pooled apart."""
+        if not self.pools_window_kv:
+            return tokens * self.kv_bytes_per_token
+        windowed = self.num_windowed_layers
+        span = min(tokens, self.window_blocks_per_sequence(block_size) * block_size)
+        return self.kv_bytes_per_token_layer * ((self.num_layers - windowed) * tokens
+                                                + windowed * span)
+
     @classmethod
     def from_hf_config(cls, config: str | Path | Mapping[str, Any], *, dtype: Optional[str] = None,
                        name: Optional[str] = None) -> "ModelSpec":

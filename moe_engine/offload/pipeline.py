@@ -210,6 +210,10 @@ class OffloadPipeline:
             if mb.block_tables is not None:
                 changes.update(block_tables=move(mb.block_tables),
                                context_lens=move(mb.context_lens))
+            if mb.window_slot_mapping is not None:
+                changes.update(window_slot_mapping=move(mb.window_slot_mapping))
+            if mb.window_block_tables is not None:
+                changes.update(window_block_tables=move(mb.window_block_tables))
         return replace(mb, **changes)
 
     def _prefetch(self, layer: int, num_tokens: int) -> None:

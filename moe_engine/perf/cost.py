@@ -120,7 +120,8 @@ def kv_bytes(m: ModelSpec, wl: WorkloadSpec, num_seqs: int, block_size: int) -> 
     """Paged KV of `num_seqs` sequences at their final length (mean prompt + generation), whole
     blocks, plus one spare block each so the last token never waits for an allocation."""
     blocks = blocks_for(wl.mean_seq_len, block_size) + 1
-    return num_seqs * blocks * block_size * m.kv_bytes_per_token
+    # GPT-OSS's sliding layers hold a window's blocks only (kv_bytes_per_sequence).
+    return num_seqs * m.kv_bytes_per_sequence(blocks * block_size, block_size)
 
 
 def device_weight_bytes(m: ModelSpec, ffn_on_device: bool) -> tuple[float, float]:
@@ -168,7 +169,8 @@ def longest_seq_kv_bytes(m: ModelSpec, wl: WorkloadSpec, block_size: int) -> flo
     """KV of the longest request alone (longest prompt, longest generation): a cache sized for
     mean-length sequences must still hold it, or the engine rejects that row."""
     gen = max(wl.gen_lengths) if wl.gen_lengths else wl.gen_len
-    return (blocks_for(wl.max_prompt + gen, block_size) + 1) * block_size * m.kv_bytes_per_token
+    tokens = (blocks_for(wl.max_prompt + gen, block_size) + 1) * block_size
+    return m.kv_bytes_per_sequence(tokens, block_size)
 
 
 def policy_kv_bytes(m: ModelSpec, wl: WorkloadSpec, policy: Policy) -> float:

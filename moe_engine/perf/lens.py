@@ -92,7 +92,12 @@ def stage1_bound(m: ModelSpec, hw: HardwareSpec, prompt_len: float, gen_len: flo
     weights = m.total_bytes if streamed_bytes is None else streamed_bytes
     bw = hw.cpu_bw if hw.is_cpu_only else hw.link_bw
     delta = weights / bw
-    capacity = kv_capacity_bytes / m.kv_bytes_per_token
+    # Tokens of (p + g)-token sequences the cache holds (GPT-OSS's sliding layers hold a window
+    # of each, so a token costs less there than kv_bytes_per_token).
+    seq_len = max(prompt_len + gen_len, 1.0)
+    per_token = (m.kv_bytes_per_sequence(seq_len) / seq_len if m.pools_window_kv
+                 else m.kv_bytes_per_token)
+    capacity = kv_capacity_bytes / per_token
     e = pme(prompt_len, gen_len)
     t_gpu = device_token_rate(m, hw.device_flops)
     mem_rate = e * capacity / delta if delta > 0 else math.inf
