@@ -144,7 +144,8 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     try:
         pager = WeightPager(runner.weights, backend, routing, resident_ratio,
                             packet_bytes=settings.packet_bytes,
-                            budget_bytes=settings.device_memory_bytes, disk=disk)
+                            budget_bytes=settings.device_memory_bytes, disk=disk,
+                            host_copies_of_resident=not settings.ffn_on_device)
     except BaseException:  # its threads and files must not outlive a failed construction
         if disk is not None:
             disk.close()
