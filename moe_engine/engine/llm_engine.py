@@ -15,7 +15,7 @@ import torch
 
 from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.engine.block_manager import BlockAllocator
-from moe_engine.engine.calibrate import find_or_record_routing
+from moe_engine.engine.calibrate import find_or_record_routing, record_bundled_routing
 from moe_engine.engine.memory import rss_bytes
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.engine.request import Request, RequestResult, stable_seed
@@ -102,7 +102,7 @@ class LLMEngine:
                                                   trace=trace)
             self.runner = self.offload
             if disk_tier and routing is None:
-                find_or_record_routing(self, model_dir, 0.0)
+                record_bundled_routing(self, model_dir)
 
     @classmethod
     def around(cls, runner, config: EngineConfig, num_blocks: int, vocab_size: int,
