@@ -84,7 +84,9 @@ class LLMEngine:
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype)
         runner = ModelRunner(self.spec, weights, cache,
                              DecodeAttention(config.attention, threads,
-                                             head_dim=self.spec.head_dim),
+                                             head_dim=self.spec.head_dim,
+                                             latent_value_dim=(self.spec.mla.kv_lora_rank
+                                                               if self.spec.mla else None)),
                              max_model_len, act_dtype)
         eos = frozenset(tokenizer.eos_token_ids) or frozenset(self.spec.eos_token_ids)
         self._init_loop(runner, config, num_blocks, self.spec.vocab_size, max_model_len, eos,

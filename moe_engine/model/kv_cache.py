@@ -1,7 +1,9 @@
 """Paged KV cache in host memory: the per-layer block tensors and their size budget.
 
 Layout per layer: [num_blocks, n_kv_heads, block_size, head_dim]; the slot of token position p of a
-sequence is block_table[p // block_size] * block_size + p % block_size.
+sequence is block_table[p // block_size] * block_size + p % block_size. MLA (DeepSeek) caches one
+latent entry per token instead, [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim] in
+`key`, whose first kv_lora_rank dims are also the values: `value` is then empty.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def blocks_for_budget(spec: ModelSpec, dtype: torch.dtype, budget_gb: float, blo
 
 @dataclass
 class KVCache:
-    """The cache tensors: key[layer] and value[layer], each [num_blocks, n_kv, block_size, d]."""
+    """The cache tensors: key[layer] and value[layer], each [num_blocks, n_kv, block_size, d];
+    value is [] for a latent cache (ModelSpec.kv_cache_layout)."""
 
     key: list[torch.Tensor]
     value: list[torch.Tensor]
@@ -38,11 +41,13 @@ class KVCache:
                  dtype: torch.dtype) -> "KVCache":
         if num_blocks < 1:
             raise ValueError("KV cache budget is smaller than one block")
-        shape = (spec.num_layers, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
+        heads, key_dim, value_dim = spec.kv_cache_layout
+        shape = (spec.num_layers, num_blocks, heads, block_size)
         # One allocation per K/V; zeros so stale pages never hold NaNs a masked kernel could touch.
-        k = torch.zeros(shape, dtype=dtype)
-        v = torch.zeros(shape, dtype=dtype)
-        return cls(key=list(k.unbind(0)), value=list(v.unbind(0)), block_size=block_size)
+        k = torch.zeros(shape + (key_dim,), dtype=dtype)
+        v = torch.zeros(shape + (value_dim,), dtype=dtype) if value_dim else None
+        return cls(key=list(k.unbind(0)), value=list(v.unbind(0)) if v is not None else [],
+                   block_size=block_size)
 
     @property
     def num_blocks(self) -> int:

@@ -182,8 +182,9 @@ def dense_mlp_time(m: ModelSpec, proc: Processor, mu: float) -> float:
 def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:
     """Decode attention of `mu` queries over `ctx` cached tokens each (one layer): QK^T and PV are
     2*d FLOPs per (query head, cached token) each; every cached K/V byte is read once per step
-    because all query heads of a GQA group share one pass over the cache."""
-    flops = 2.0 * mu * ctx * m.num_heads * (m.head_dim + m.v_head_dim)
+    because all query heads of a GQA group share one pass over the cache (MLA: every head over
+    the one latent entry, with its score and value widths)."""
+    flops = 2.0 * mu * ctx * m.num_heads * sum(m.attention_widths)
     return OpCost(flops, mu * ctx * m.kv_bytes_per_token_layer)
 
 
@@ -203,4 +204,4 @@ def device_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float,
 
 def prefill_attention_flops(m: ModelSpec, prompt_len_sq_mean: float) -> float:
     """Causal self-attention over a prompt of length p: ~p^2/2 (query, key) pairs per head."""
-    return 2.0 * (prompt_len_sq_mean / 2.0) * m.num_heads * (m.head_dim + m.v_head_dim)
+    return 2.0 * (prompt_len_sq_mean / 2.0) * m.num_heads * sum(m.attention_widths)
