@@ -52,6 +52,12 @@ class MoePreset:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # DeepSeek's multi-head latent attention (families with mla=True).
+    kv_lora_rank: int = 0
+    q_lora_rank: Optional[int] = None  # None: one full q projection (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -73,8 +79,8 @@ class Family:
     router and experts, expert projection names (gate, down, up), the config key switching the
     attention biases and the projections it covers, the q/k norm ("head": one per head,
     "projection": over the whole projection) and the architecture's own config keys; the
-    shared expert's module name and whether it has a sigmoid gate, and whether the router has
-    an e_score_correction_bias."""
+    shared expert's module name and whether it has a sigmoid gate, whether the router has
+    an e_score_correction_bias, and whether attention is DeepSeek's latent attention."""
 
     model_type: str
     moe_block: str
@@ -86,6 +92,7 @@ class Family:
     shared_block: str = "shared_expert"
     shared_gate: bool = True
     score_correction: bool = False
+    mla: bool = False
 
 
 def _mixtral_keys(p: MoePreset) -> dict[str, Any]:
@@ -111,18 +118,41 @@ def _olmoe_keys(p: MoePreset) -> dict[str, Any]:
             "router_aux_loss_coef": 0.01}
 
 
-def _glm4_moe_keys(p: MoePreset) -> dict[str, Any]:
+def _deepseek_style_keys(p: MoePreset) -> dict[str, Any]:
+    """The MoE keys GLM-4.5 shares with DeepSeek: dense first layers, n_shared_experts
+    expert-wide shared experts, grouped routing, a routed scaling factor."""
     if p.shared_expert_intermediate_size % p.intermediate_size:
-        raise ValueError("GLM-4.5's shared experts are a whole number of routed experts wide")
-    # num_nextn_predict_layers 0: the built checkpoint has no multi-token-prediction layer
-    # (the hub's have one, which generation does not run).
+        raise ValueError("shared experts are a whole number of routed experts wide")
     return {"intermediate_size": p.dense_intermediate_size,
             "moe_intermediate_size": p.intermediate_size, "n_routed_experts": p.num_experts,
             "n_shared_experts": p.shared_expert_intermediate_size // p.intermediate_size,
             "first_k_dense_replace": p.first_k_dense_replace, "n_group": p.n_group,
             "topk_group": p.topk_group, "routed_scaling_factor": p.routed_scaling_factor,
-            "norm_topk_prob": p.norm_topk_prob, "use_qk_norm": p.qk_norm,
+            "norm_topk_prob": p.norm_topk_prob}
+
+
+def _glm4_moe_keys(p: MoePreset) -> dict[str, Any]:
+    # num_nextn_predict_layers 0: the built checkpoint has no multi-token-prediction layer
+    # (the hub's have one, which generation does not run).
+    return {**_deepseek_style_keys(p), "use_qk_norm": p.qk_norm,
             "partial_rotary_factor": p.partial_rotary_factor, "num_nextn_predict_layers": 0}
+
+
+def _mla_keys(p: MoePreset) -> dict[str, Any]:
+    return {**_deepseek_style_keys(p), "kv_lora_rank": p.kv_lora_rank,
+            "q_lora_rank": p.q_lora_rank, "qk_nope_head_dim": p.qk_nope_head_dim,
+            "qk_rope_head_dim": p.qk_rope_head_dim, "v_head_dim": p.v_head_dim}
+
+
+def _deepseek_v3_keys(p: MoePreset) -> dict[str, Any]:
+    # topk_method and scoring_func as the hub's config has them (transformers reads neither).
+    return {**_mla_keys(p), "rope_interleave": True, "num_nextn_predict_layers": 0,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def _deepseek_v2_keys(p: MoePreset) -> dict[str, Any]:
+    method = "group_limited_greedy" if p.n_group > 1 else "greedy"
+    return {**_mla_keys(p), "topk_method": method, "scoring_func": "softmax"}
 
 
 LLAMA_MLP = ("gate_proj", "down_proj", "up_proj")
@@ -144,6 +174,14 @@ FAMILIES: dict[str, Family] = {
         model_type="glm4_moe", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="qkv", qk_norm="head", config_keys=_glm4_moe_keys,
         shared_block="shared_experts", shared_gate=False, score_correction=True),
+    "DeepseekV3ForCausalLM": Family(
+        model_type="deepseek_v3", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="", qk_norm=None, config_keys=_deepseek_v3_keys,
+        shared_block="shared_experts", shared_gate=False, score_correction=True, mla=True),
+    "DeepseekV2ForCausalLM": Family(
+        model_type="deepseek_v2", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="", qk_norm=None, config_keys=_deepseek_v2_keys,
+        shared_block="shared_experts", shared_gate=False, mla=True),
 }
 
 PRESETS: dict[str, MoePreset] = {
@@ -191,6 +229,30 @@ PRESETS: dict[str, MoePreset] = {
         norm_topk_prob=True, shared_expert_intermediate_size=32, dense_intermediate_size=176,
         first_k_dense_replace=1, partial_rotary_factor=0.5, n_group=4, topk_group=2,
         routed_scaling_factor=2.5),
+    # DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and
+    # a 32-dim latent plus 8-dim rope key cached per token, interleaved RoPE; a dense first
+    # layer, a sigmoid router with a score-correction bias choosing top-2 of 8 experts in the
+    # best of 2 groups, renormalised and scaled by 2.5, one shared expert. ~4 MB.
+    "tiny-deepseek-v3": MoePreset(
+        "DeepseekV3ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=True,
+        shared_expert_intermediate_size=32, dense_intermediate_size=176,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16),
+    # DeepSeek-V2's features: latent attention with one full q projection (V2-Lite's), RoPE
+    # rotated as complex pairs, a softmax router limited to the best group by its best score
+    # (group_limited_greedy), unnormalised top-2 weights scaled by 2.0, one shared expert,
+    # a dense first layer. ~4 MB.
+    "tiny-deepseek-v2": MoePreset(
+        "DeepseekV2ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=False,
+        shared_expert_intermediate_size=32, dense_intermediate_size=176,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16),
 }
 
 
@@ -223,6 +285,8 @@ def hf_config(preset: MoePreset) -> dict:
     }
     if family.bias_key is not None:
         config[family.bias_key] = preset.attention_bias
+    if family.mla:
+        del config["head_dim"]  # the hub's MLA configs have none (heads are nope + rope wide)
     return config
 
 

@@ -1,0 +1,93 @@
+"""DeepSeek's multi-head latent attention: the latent KV cache and its size, checkpoints as
+transformers saves them, and the paths that do not run it. Token and logit parity on the tiny
+presets is in test_engine_parity (parametrized over every tiny preset)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_engine.config import EngineConfig
+from moe_engine.engine.llm_engine import LLMEngine
+from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.model.kv_cache import blocks_for_budget, kv_bytes_per_token
+from moe_engine.model.spec import load_spec
+
+MLA_PRESETS = ["tiny-deepseek-v2", "tiny-deepseek-v3"]
+
+
+@pytest.mark.parametrize("preset", MLA_PRESETS)
+def test_latent_cache_holds_latent_and_rope_key_per_token(preset, builtin_dir):
+    model_dir = builtin_dir(preset)
+    spec = load_spec(model_dir)
+    latent = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+    assert latent == 32 + 8
+    # Per token and layer: the latent and the shared rope key, not per-head K and V
+    # (4 heads x (16 + 8 + 16) = 160 values would be).
+    assert kv_bytes_per_token(spec, torch.float32) == spec.num_layers * latent * 4
+    assert kv_bytes_per_token(spec, torch.bfloat16) == spec.num_layers * latent * 2
+    engine = LLMEngine(model_dir, EngineConfig(threads=1, kv_cache_gb=0.001, block_size=16),
+                       dtype="float32")
+    cache = engine.runner.cache
+    num_blocks = blocks_for_budget(spec, torch.float32, 0.001, 16)
+    assert cache.num_blocks == engine.allocator.num_blocks == num_blocks
+    assert cache.value == [] and len(cache.key) == spec.num_layers
+    assert all(k.shape == (num_blocks, 1, 16, latent) for k in cache.key)
+    allocated = sum(k.nbytes for k in cache.key)
+    assert allocated == num_blocks * 16 * kv_bytes_per_token(spec, torch.float32)
+    assert engine.runner.attention.describe().startswith("torch")
+
+
+def test_cython_attention_is_refused_naming_the_latent_cache(builtin_dir):
+    with pytest.raises(RuntimeError, match="latent \\(MLA\\)"):
+        LLMEngine(builtin_dir("tiny-deepseek-v3"),
+                  EngineConfig(threads=1, kv_cache_gb=0.001, attention="cython"), dtype="float32")
+
+
+@pytest.mark.parametrize("model_type, q_lora_rank", [("deepseek_v3", None), ("deepseek_v2", 12)])
+def test_deepseek_checkpoint_saved_by_transformers_loads_and_matches(tmp_path, model_type,
+                                                                     q_lora_rank):
+    """What transformers' save_pretrained writes (its config keys, head_dim = the rope dim,
+    the fp32 score-correction bias, per-expert names) runs with transformers' logits; the
+    q projection kinds are swapped from the tiny presets'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe_engine.engine.tokenizer import load_tokenizer
+    from moe_engine.tools.checkpoints import build_checkpoint
+
+    extra = {"topk_method": "group_limited_greedy"} if model_type == "deepseek_v2" else {}
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=8192, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, n_shared_experts=2, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, routed_scaling_factor=2.0,
+        max_position_embeddings=256, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    for layer in model.model.layers:  # spread weights so every part changes the logits
+        for p in layer.parameters():
+            p.data.normal_(0, 0.3)
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    tokenizer_dir = build_checkpoint("tiny-mixtral", tmp_path / "tok", seed=0)
+    for f in tokenizer_dir.glob("tokenizer*.json"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    spec = load_spec(tmp_path)
+    assert spec.head_dim == 12 and spec.v_head_dim == 12 and spec.mla.q_lora_rank == q_lora_rank
+    assert spec.dense_layers == (0,) and spec.shared_expert_intermediate_size == 32
+    engine = LLMEngine(tmp_path, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
+    prompt = "Explain how a mixture of experts layer routes tokens to experts."
+    ids = load_tokenizer(tmp_path).encode_prompt(prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=6, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    captured = []
+    engine.logits_observer = lambda seqs, logits: captured.extend(r.clone() for r in logits)
+    [result] = engine.generate([Request("0", prompt=prompt,
+                                        sampling=SamplingParams(max_new_tokens=6))])
+    assert result.token_ids == out.sequences[0, len(ids):].tolist()
+    for mine, ref in zip(captured, out.logits):
+        assert (mine - ref[0]).abs().max().item() <= 1e-4
