@@ -161,7 +161,8 @@ def _mla(d: dict[str, torch.Tensor], spec: ModelSpec) -> MlaWeights:
     kv_b = d["kv_b"].view(spec.num_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
     w_uk, w_uv = kv_b.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
     low_rank_q = a.q_lora_rank is not None
-    return MlaWeights(kv_a_norm=d["kv_a_norm"], w_uk=w_uk.contiguous(), w_uv=w_uv.contiguous(),
+    return MlaWeights(kv_a_norm=d["kv_a_norm"], w_uk=w_uk.contiguous(),
+                      w_uv=w_uv.transpose(1, 2).contiguous(),
                       q_a_norm=d["q_a_norm"] if low_rank_q else None,
                       wq_b=d["q_b"].contiguous() if low_rank_q else None)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from moe_engine.model.layers import RotaryTable, linear, rms_norm
+from moe_engine.model.packed import PackedLinear
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import DenseLayerWeights, MlaWeights
 
@@ -37,8 +38,7 @@ def mla_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
         q = linear(rms_norm(q, m.q_a_norm, LATENT_NORM_EPS), m.wq_b)
     q_nope, q_pe = q.reshape(t, spec.num_heads, spec.head_dim).split(
         [a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-    q_latent = torch.bmm(q_nope.transpose(0, 1), m.w_uk).transpose(0, 1)  # [T, heads, rank]
-    query = torch.cat([q_latent, rope.apply(q_pe, positions)], dim=-1)
+    query = torch.cat([per_head(q_nope, m.w_uk), rope.apply(q_pe, positions)], dim=-1)
     c = rms_norm(c, m.kv_a_norm, LATENT_NORM_EPS)
     key = torch.cat([c, rope.apply(k_pe.reshape(t, 1, -1), positions).reshape(t, -1)], dim=-1)
     key = key.unsqueeze(1)
@@ -47,6 +47,14 @@ def mla_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
 
 def latent_to_values(m: MlaWeights, attn: torch.Tensor) -> torch.Tensor:
     """The attended latents [T, heads * rank] mapped by each head's W_UV: [T, heads * v]."""
-    heads, _, rank = m.w_uv.shape
-    latent = attn.reshape(-1, heads, rank).transpose(0, 1)  # [heads, T, rank]
-    return torch.bmm(latent, m.w_uv.transpose(1, 2)).transpose(0, 1).reshape(attn.shape[0], -1)
+    heads = len(m.w_uv)
+    t = attn.shape[0]
+    return per_head(attn.reshape(t, heads, -1), m.w_uv).reshape(t, -1)
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor | tuple[PackedLinear, ...]) -> torch.Tensor:
+    """x [T, heads, k] through each head's own map: x[:, h] @ w[h] for w [heads, k, n] (one
+    batched matmul), or one packed GEMM per head (rows independent of their batch)."""
+    if isinstance(w, torch.Tensor):
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+    return torch.stack([linear(x[:, h], w_h) for h, w_h in enumerate(w)], dim=1)

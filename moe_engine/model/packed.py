@@ -217,9 +217,12 @@ def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> Mode
 
 
 def _pack_mla(m: MlaWeights, storage: str) -> MlaWeights:
-    """q_b_proj packed; the per-head latent maps stay fp32 torch tensors (batched matmuls
-    over the heads, model/mla.py, which the kernels have no form for)."""
-    return MlaWeights(kv_a_norm=m.kv_a_norm.float(), w_uk=m.w_uk.float(), w_uv=m.w_uv.float(),
+    """q_b_proj packed, and the per-head latent maps as one packed projection per head (a
+    batched matmul over the heads in torch would make a row's result depend on its batch)."""
+    def per_head(w: torch.Tensor) -> tuple[PackedLinear, ...]:  # w [heads, k, n]: x @ w[h]
+        return tuple(pack_linear(w_h.t().contiguous(), storage) for w_h in w)
+
+    return MlaWeights(kv_a_norm=m.kv_a_norm.float(), w_uk=per_head(m.w_uk), w_uv=per_head(m.w_uv),
                       q_a_norm=m.q_a_norm.float() if m.q_a_norm is not None else None,
                       wq_b=pack_linear(m.wq_b, storage) if m.wq_b is not None else None)
 

@@ -44,6 +44,9 @@ def _field_tensors(obj) -> Iterator[torch.Tensor]:
         value = getattr(obj, f.name)
         if isinstance(value, torch.Tensor):
             yield value
+        elif isinstance(value, tuple):  # one packed projection per head
+            for part in value:
+                yield from part.tensors()
         elif value is not None:
             yield from value.tensors()
 
@@ -55,6 +58,8 @@ def _map_fields(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
         value = getattr(obj, f.name)
         if isinstance(value, torch.Tensor):
             changes[f.name] = fn(value)
+        elif isinstance(value, tuple):
+            changes[f.name] = tuple(part.map(fn) for part in value)
         elif value is not None:
             changes[f.name] = value.map(fn)
     return replace(obj, **changes)
@@ -65,11 +70,13 @@ class MlaWeights:
     """The parts of multi-head latent attention besides the fused first projection (wqkv:
     q_a_proj or q_proj, then kv_a_proj_with_mqa) and o_proj (wo). kv_b_proj is held split per
     head for the absorbed form (model/mla.py): w_uk [heads, nope, rank] maps a query's nope
-    part into the latent space, w_uv [heads, v, rank] the attended latent to a head's value."""
+    part into the latent space, w_uv [heads, rank, v] the attended latent to a head's value
+    (x @ w[h] for head h); on the packed CPU kernels each is a tuple of one PackedLinear per
+    head, so that a row's result does not depend on its batch."""
 
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
-    w_uk: torch.Tensor
-    w_uv: torch.Tensor
+    w_uk: torch.Tensor | tuple
+    w_uv: torch.Tensor | tuple
     q_a_norm: Optional[torch.Tensor] = None  # [q_lora_rank]; None: q is one full projection
     wq_b: Optional[torch.Tensor] = None  # [heads * (nope + rope), q_lora_rank], or PackedLinear
 
