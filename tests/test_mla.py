@@ -91,3 +91,10 @@ def test_deepseek_checkpoint_saved_by_transformers_loads_and_matches(tmp_path, m
     assert result.token_ids == out.sequences[0, len(ids):].tolist()
     for mine, ref in zip(captured, out.logits):
         assert (mine - ref[0]).abs().max().item() <= 1e-4
+
+
+def test_hardware_profile_times_the_latent_decode_path(builtin_dir):
+    from moe_engine.tools.profile_hardware import measure_attention
+
+    rate, path = measure_attention(load_spec(builtin_dir("tiny-deepseek-v3")), fast=True)
+    assert rate > 0 and "latent (MLA)" in path
