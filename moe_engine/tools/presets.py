@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 from moe_engine.model.spec import is_sparse_layer
@@ -184,6 +184,18 @@ FAMILIES: dict[str, Family] = {
         shared_block="shared_experts", shared_gate=False, mla=True),
 }
 
+# DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and a
+# 32-dim latent plus 8-dim rope key cached per token, interleaved RoPE; a dense first layer, a
+# sigmoid router with a score-correction bias choosing top-2 of 8 experts in the best of 2
+# groups, renormalised and scaled by 2.5, one shared expert. ~4 MB.
+_TINY_DEEPSEEK_V3 = MoePreset(
+    "DeepseekV3ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+    vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=True,
+    shared_expert_intermediate_size=32, dense_intermediate_size=176, first_k_dense_replace=1,
+    n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
 PRESETS: dict[str, MoePreset] = {
     # CI-sized: every code path of a real Mixtral (GQA 2:1, 8 experts top-2), ~14 MB in fp32.
     # The tokenizer has 8192 tokens: with it the bundled corpus has MTBench-like lengths.
@@ -229,30 +241,14 @@ PRESETS: dict[str, MoePreset] = {
         norm_topk_prob=True, shared_expert_intermediate_size=32, dense_intermediate_size=176,
         first_k_dense_replace=1, partial_rotary_factor=0.5, n_group=4, topk_group=2,
         routed_scaling_factor=2.5),
-    # DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and
-    # a 32-dim latent plus 8-dim rope key cached per token, interleaved RoPE; a dense first
-    # layer, a sigmoid router with a score-correction bias choosing top-2 of 8 experts in the
-    # best of 2 groups, renormalised and scaled by 2.5, one shared expert. ~4 MB.
-    "tiny-deepseek-v3": MoePreset(
-        "DeepseekV3ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
-        vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=True,
-        shared_expert_intermediate_size=32, dense_intermediate_size=176,
-        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16),
-    # DeepSeek-V2's features: latent attention with one full q projection (V2-Lite's), RoPE
-    # rotated as complex pairs, a softmax router limited to the best group by its best score
-    # (group_limited_greedy), unnormalised top-2 weights scaled by 2.0, one shared expert,
-    # a dense first layer. ~4 MB.
-    "tiny-deepseek-v2": MoePreset(
-        "DeepseekV2ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
-        vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=False,
-        shared_expert_intermediate_size=32, dense_intermediate_size=176,
-        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
-        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16),
+    "tiny-deepseek-v3": _TINY_DEEPSEEK_V3,
+    # DeepSeek-V2's features on the same shapes: latent attention with one full q projection
+    # (V2-Lite's), RoPE rotated as complex pairs, a softmax router limited to the best group by
+    # its best score (group_limited_greedy), unnormalised top-2 weights scaled by 2.0, no
+    # score-correction bias. ~4 MB.
+    "tiny-deepseek-v2": replace(_TINY_DEEPSEEK_V3, architecture="DeepseekV2ForCausalLM",
+                                q_lora_rank=None, norm_topk_prob=False,
+                                routed_scaling_factor=2.0),
 }
 
 
