@@ -9,6 +9,8 @@ import torch
 from moe_engine.config import EngineConfig
 from moe_engine.engine.llm_engine import LLMEngine
 from moe_engine.engine.request import Request, SamplingParams
+from moe_engine.model import paged_attention
+from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import blocks_for_budget, kv_bytes_per_token
 from moe_engine.model.spec import load_spec
 
@@ -20,7 +22,7 @@ def test_latent_cache_holds_latent_and_rope_key_per_token(preset, builtin_dir):
     model_dir = builtin_dir(preset)
     spec = load_spec(model_dir)
     latent = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
-    assert latent == 32 + 8
+    assert latent == 24 + 8
     # Per token and layer: the latent and the shared rope key, not per-head K and V
     # (4 heads x (16 + 8 + 16) = 160 values would be).
     assert kv_bytes_per_token(spec, torch.float32) == spec.num_layers * latent * 4
@@ -34,13 +36,35 @@ def test_latent_cache_holds_latent_and_rope_key_per_token(preset, builtin_dir):
     assert all(k.shape == (num_blocks, 1, 16, latent) for k in cache.key)
     allocated = sum(k.nbytes for k in cache.key)
     assert allocated == num_blocks * 16 * kv_bytes_per_token(spec, torch.float32)
-    assert engine.runner.attention.describe().startswith("torch")
+    expected = "cython" if paged_attention.kernel_unavailable(latent) is None else "torch"
+    assert engine.runner.attention.name == expected
 
 
-def test_cython_attention_is_refused_naming_the_latent_cache(builtin_dir):
-    with pytest.raises(RuntimeError, match="latent \\(MLA\\)"):
-        LLMEngine(builtin_dir("tiny-deepseek-v3"),
-                  EngineConfig(threads=1, kv_cache_gb=0.001, attention="cython"), dtype="float32")
+@pytest.mark.skipif(not paged_attention.HAS_CYTHON_KERNELS, reason="kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_decode_on_the_kernel_equals_the_torch_reference(dtype):
+    """The GQA kernel over the latent cache, handed over as keys and values, with the rope
+    dims dropped, against the reference reading the values as the keys' first rank dims."""
+    torch.manual_seed(0)
+    rank, rope, heads, block = 48, 16, 8, 16
+    cache = torch.randn(40, 1, block, rank + rope).to(dtype)
+    query = torch.randn(5, heads, rank + rope)
+    tables = torch.randperm(40, dtype=torch.int32).reshape(5, 8)
+    lens = torch.tensor([1, 17, 128, 0, 64], dtype=torch.int32)
+    kernel = DecodeAttention("cython", head_dim=rank + rope, latent_value_dim=rank)
+    torch_path = DecodeAttention("torch", head_dim=rank + rope, latent_value_dim=rank)
+    got = kernel(query, cache, None, tables, lens, 0.125)
+    want = torch_path(query, cache, None, tables, lens, 0.125)
+    assert got.shape == want.shape == (5, heads, rank)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_width_the_kernel_cannot_run_falls_back_to_torch_or_is_refused():
+    # 28 + 2 dims: a multiple of no ISA's vector width (4, 8, 16)
+    attention = DecodeAttention("auto", head_dim=30, latent_value_dim=28)
+    assert attention.name == "torch" and "head_dim 30" in attention.describe()
+    with pytest.raises(RuntimeError, match="engine.attention=cython"):
+        DecodeAttention("cython", head_dim=30, latent_value_dim=28)
 
 
 @pytest.mark.parametrize("model_type, q_lora_rank", [("deepseek_v3", None), ("deepseek_v2", 12)])
@@ -96,5 +120,8 @@ def test_deepseek_checkpoint_saved_by_transformers_loads_and_matches(tmp_path, m
 def test_hardware_profile_times_the_latent_decode_path(builtin_dir):
     from moe_engine.tools.profile_hardware import measure_attention
 
-    rate, path = measure_attention(load_spec(builtin_dir("tiny-deepseek-v3")), fast=True)
-    assert rate > 0 and "latent (MLA)" in path
+    spec = load_spec(builtin_dir("tiny-deepseek-v3"))
+    rate, path = measure_attention(spec, fast=True)
+    engine_path = DecodeAttention("auto", head_dim=spec.kv_cache_layout[1],
+                                  latent_value_dim=spec.mla.kv_lora_rank)
+    assert rate > 0 and path == engine_path.describe()

@@ -84,7 +84,7 @@ class LLMEngine:
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype)
         runner = ModelRunner(self.spec, weights, cache,
                              DecodeAttention(config.attention, threads,
-                                             head_dim=self.spec.head_dim,
+                                             head_dim=self.spec.kv_cache_layout[1],
                                              latent_value_dim=(self.spec.mla.kv_lora_rank
                                                                if self.spec.mla else None)),
                              max_model_len, act_dtype)

@@ -112,8 +112,9 @@ class DecodeAttention:
 
     def __init__(self, impl: str = "auto", num_threads: int = 0,
                  head_dim: Optional[int] = None, latent_value_dim: Optional[int] = None):
-        """`latent_value_dim`: the cache is MLA's latent cache, whose values are the first
-        latent_value_dim dims of its keys (kv_lora_rank); only the torch path reads it."""
+        """`head_dim`: the cache entry's width per head (MLA: the latent and the rope key).
+        `latent_value_dim`: the cache is MLA's latent cache, whose values are the first
+        latent_value_dim dims of its keys (kv_lora_rank)."""
         impl = getattr(impl, "value", impl)
         if impl not in ("auto", "cython", "torch"):
             raise ValueError(f"unknown attention implementation {impl!r}")
@@ -128,15 +129,15 @@ class DecodeAttention:
         if impl == "torch":
             return
         kernels = _load_kernels()
-        if latent_value_dim is not None:
-            reason = "the Cython kernel has no latent (MLA) cache path"
-        elif kernels is None:
-            reason = "the Cython kernels are not built"
-        else:
-            reason = kernels.kernel_unavailable(head_dim)
+        reason = ("the Cython kernels are not built" if kernels is None
+                  else kernels.kernel_unavailable(head_dim))
         if reason is None:
-            self.write_kv = kernels.write_kv
-            self.decode = kernels.paged_decode_attention
+            if latent_value_dim is None:
+                self.write_kv = kernels.write_kv
+                self.decode = kernels.paged_decode_attention
+            else:  # the latent's keys are written by torch_write_kv: one row per token
+                self.decode = partial(_latent_on_kernel, kernels.paged_decode_attention,
+                                      latent_value_dim)
             self.name = "cython"
             self.isa = kernels.ISA
         elif impl == "cython":
@@ -158,6 +159,23 @@ class DecodeAttention:
                  scale: float) -> torch.Tensor:
         return self.decode(query, key_cache, value_cache, block_tables, context_lens, scale,
                            num_threads=self.num_threads)
+
+
+def _latent_on_kernel(kernel: Callable, value_dim: int, query: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: Optional[torch.Tensor],
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                      out: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
+    """MLA's decode on the GQA kernel: every query head is in the group of the one latent
+    "head", and the latent cache is handed over as the keys and as the values, so each block
+    is read from memory once (its second reading, as values, comes from the CPU's cache); the
+    rope dims of the result are dropped (their share of the P.V work, rope / (rank + rope), is
+    the cost of having no kernel of MLA's own)."""
+    full = kernel(query, key_cache, key_cache, block_tables, context_lens, scale,
+                  num_threads=num_threads)
+    if out is None:
+        return full[..., :value_dim]
+    out.copy_(full[..., :value_dim])
+    return out
 
 
 def _load_kernels():

@@ -185,7 +185,8 @@ FAMILIES: dict[str, Family] = {
 }
 
 # DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and a
-# 32-dim latent plus 8-dim rope key cached per token, interleaved RoPE; a dense first layer, a
+# 24-dim latent plus 8-dim rope key cached per token (32: a multiple of every ISA's vector
+# width, so decode runs on the Cython kernel), interleaved RoPE; a dense first layer, a
 # sigmoid router with a score-correction bias choosing top-2 of 8 experts in the best of 2
 # groups, renormalised and scaled by 2.5, one shared expert. ~4 MB.
 _TINY_DEEPSEEK_V3 = MoePreset(
@@ -193,7 +194,7 @@ _TINY_DEEPSEEK_V3 = MoePreset(
     num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
     vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=True,
     shared_expert_intermediate_size=32, dense_intermediate_size=176, first_k_dense_replace=1,
-    n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+    n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=48,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
 PRESETS: dict[str, MoePreset] = {
