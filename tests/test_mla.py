@@ -125,3 +125,32 @@ def test_hardware_profile_times_the_latent_decode_path(builtin_dir):
     engine_path = DecodeAttention("auto", head_dim=spec.kv_cache_layout[1],
                                   latent_value_dim=spec.mla.kv_lora_rank)
     assert rate > 0 and path == engine_path.describe()
+
+
+@pytest.mark.parametrize("preset", MLA_PRESETS)
+def test_latent_cache_placed_on_a_device_apart_from_the_host_gives_the_same_tokens(preset,
+                                                                                   builtin_dir):
+    """With attention on the device the KV cache moves there and decode switches to the torch
+    path (the CUDA path's placement, with memcpys on a CPU backend declaring its device apart):
+    that path must still read the latent cache's values from its keys."""
+    from moe_engine.offload.backend import CpuBackend
+    from moe_engine.offload.build import OffloadSettings, build_offload_pipeline
+
+    class DeviceApart(CpuBackend):
+        device_is_host = False
+
+    model_dir = builtin_dir(preset)
+    config = EngineConfig(threads=2, kv_cache_gb=0.02, num_micro_batches=2)
+    requests = [Request(str(i), prompt=p, sampling=SamplingParams(max_new_tokens=8))
+                for i, p in enumerate(["Why is the sky blue?", "hi", "a b c d e f g h"])]
+    plain = {r.request_id: r.token_ids
+             for r in LLMEngine(model_dir, config, dtype="float32").generate(requests)}
+    engine = LLMEngine(model_dir, config, dtype="float32")
+    engine.runner = build_offload_pipeline(
+        engine.runner, OffloadSettings(resident_ratio=0.5, attention_on_device=True,
+                                       cpu_experts=False), backend=DeviceApart())
+    try:
+        assert engine.runner.runner.attention.name == "torch"
+        assert {r.request_id: r.token_ids for r in engine.generate(requests)} == plain
+    finally:
+        engine.runner.close()

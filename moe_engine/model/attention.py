@@ -119,6 +119,7 @@ class DecodeAttention:
         if impl not in ("auto", "cython", "torch"):
             raise ValueError(f"unknown attention implementation {impl!r}")
         self.num_threads = num_threads
+        self.latent_value_dim = latent_value_dim
         self.write_kv: Callable = torch_write_kv
         self.decode: Callable = (torch_paged_decode_attention if latent_value_dim is None else
                                  partial(torch_paged_decode_attention,

@@ -219,7 +219,8 @@ def _place_runner_state(runner: ModelRunner, backend, pager: WeightPager,
                          "RoPE tables and KV cache" if attention_on_device else "RoPE tables")
     runner.place(backend.to_device, kv_cache=attention_on_device)
     if attention_on_device:
-        runner.attention = DecodeAttention("torch", runner.attention.num_threads)
+        runner.attention = DecodeAttention("torch", runner.attention.num_threads,
+                                           latent_value_dim=runner.attention.latent_value_dim)
 
 
 def _without_cpu_experts(latency: ExpertLatencyProfile) -> ExpertLatencyProfile:
