@@ -13,6 +13,9 @@ copies), so the data touched between two reads of the same byte exceeds the cach
   .venv/bin/python bench/attention.py                      # full grid, ~3 minutes on 2 cores
   .venv/bin/python bench/attention.py --batch 64 --context 2048 --dtype bf16
   .venv/bin/python bench/attention.py --isa avx2           # force an ISA build (or MOE_BATCH_ISA)
+  .venv/bin/python bench/attention.py --mla 512 --q-heads 128 --kv-heads 1 --head-dim 576
+      # DeepSeek-V3's latent cache: one 576-dim entry per token (512 latent + 64 rope), whose
+      # first 512 dims are the values; the kernel runs as the engine runs it (DecodeAttention)
 
 The header names the CPU, its relevant flags and the ISA build of the kernel that ran; the read
 roof is always measured with the widest vectors the CPU has.
@@ -34,8 +37,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# moe_engine.model.paged_attention, imported in main() once MOE_BATCH_ISA is set
+# moe_engine.model.paged_attention and DecodeAttention, imported in main() once MOE_BATCH_ISA
+# is set
 kernels = None
+DecodeAttention = None
 
 
 def read_gbps(buf: torch.Tensor, threads: int) -> float:
@@ -48,34 +53,45 @@ def read_gbps(buf: torch.Tensor, threads: int) -> float:
 class Case:
     """Inputs for one (dtype, batch, context) shape, with `rotate` disjoint copies of the KV."""
 
-    def __init__(self, dtype, batch, context, n_q, n_kv, d, block_size, rotate, gen):
+    def __init__(self, dtype, batch, context, n_q, n_kv, d, block_size, rotate, gen,
+                 latent_rank=None):
         self.dtype, self.batch, self.context = dtype, batch, context
         self.n_q, self.n_kv, self.d, self.rotate = n_q, n_kv, d, rotate
+        # MLA: the values are the first latent_rank dims of the keys, stored once
+        self.dv = latent_rank or d
         self.scale = d ** -0.5
         blocks_per_seq = -(-context // block_size)
         used = batch * blocks_per_seq
         # one pool, shuffled, split into `rotate` disjoint sets of block tables
         self.key_cache = torch.randn(rotate * used, n_kv, block_size, d, generator=gen).to(dtype)
-        self.value_cache = torch.randn(rotate * used, n_kv, block_size, d, generator=gen).to(dtype)
+        self.value_cache = (self.key_cache if latent_rank else
+                            torch.randn(rotate * used, n_kv, block_size, d, generator=gen).to(dtype))
         perm = torch.randperm(rotate * used, generator=gen).to(torch.int32)
         self.tables = [perm[r * used:(r + 1) * used].view(batch, blocks_per_seq).contiguous()
                        for r in range(rotate)]
         self.context_lens = torch.full((batch,), context, dtype=torch.int32)
         self.query = torch.randn(batch, n_q, d, generator=gen)
         self.query_t = self.query.to(dtype)
-        self.out = torch.empty(batch, n_q, d)
+        self.out = torch.empty(batch, n_q, self.dv)
         # contiguous K/V for the torch baselines: [batch, n_kv, context, d]
         self.k_flat, self.v_flat = [], []
         for t in self.tables:
             self.k_flat.append(self._gather(self.key_cache, t))
-            self.v_flat.append(self._gather(self.value_cache, t))
-        self.kv_bytes = 2 * batch * n_kv * context * d * self.key_cache.element_size()
+            self.v_flat.append(self._gather(self.value_cache, t)[..., :self.dv])
+        copies = 1 if latent_rank else 2
+        self.kv_bytes = copies * batch * n_kv * context * d * self.key_cache.element_size()
+        self.latent = (DecodeAttention("cython", head_dim=d, latent_value_dim=latent_rank)
+                       if latent_rank else None)
 
     def _gather(self, cache, table):
         g = cache[table.long()].permute(0, 2, 1, 3, 4).reshape(self.batch, self.n_kv, -1, self.d)
         return g[:, :, :self.context].contiguous()
 
     def kernel(self, r, threads):
+        if self.latent is not None:
+            self.latent.num_threads = threads
+            return self.latent(self.query, self.key_cache, None, self.tables[r],
+                               self.context_lens, self.scale)
         kernels.paged_decode_attention(self.query, self.key_cache, self.value_cache, self.tables[r],
                                        self.context_lens, self.scale, out=self.out,
                                        num_threads=threads)
@@ -91,7 +107,7 @@ class Case:
         q = self.query_t.view(self.batch, self.n_kv, g, self.d)
         s = torch.matmul(q, self.k_flat[r].transpose(-1, -2)).float() * self.scale
         p = torch.softmax(s, dim=-1).to(self.dtype)
-        return torch.matmul(p, self.v_flat[r]).view(self.batch, self.n_q, self.d)
+        return torch.matmul(p, self.v_flat[r]).view(self.batch, self.n_q, self.dv)
 
 
 def run_case(case: Case, threads: int, repeats: int, stream_buf: torch.Tensor) -> dict:
@@ -131,6 +147,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--mla", type=int, metavar="RANK",
+                    help="a latent (MLA) cache: values are the first RANK dims of the keys")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rotate", type=int, default=3,
@@ -143,7 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.isa:
         os.environ["MOE_BATCH_ISA"] = args.isa  # the build is chosen once, at import
-    global kernels
+    global kernels, DecodeAttention
     kernels = importlib.import_module("moe_engine.model.paged_attention")
     from moe_engine.model.attention import DecodeAttention
     from moe_engine.tools.machine_info import header
@@ -157,7 +175,8 @@ def main() -> None:
           + (" (forced by MOE_BATCH_ISA)" if os.environ.get("MOE_BATCH_ISA") else " (CPUID)")
           + f", openmp={kernels.HAS_OPENMP}")
     print(f"# q_heads={args.q_heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
-          f"block_size={args.block_size} repeats={args.repeats} (best of, interleaved) "
+          f"block_size={args.block_size} mla_rank={args.mla} "
+          f"repeats={args.repeats} (best of, interleaved) "
           f"rotate={args.rotate} "
           f"stream={args.stream_mib} MiB")
     stream_buf = torch.ones(args.stream_mib * (1 << 20) // 4)
@@ -179,7 +198,7 @@ def main() -> None:
         for batch in args.batch:
             for ctx in args.context:
                 case = Case(DTYPES[dname], batch, ctx, args.q_heads, args.kv_heads, args.head_dim,
-                            args.block_size, args.rotate, gen)
+                            args.block_size, args.rotate, gen, latent_rank=args.mla)
                 row = run_case(case, args.threads, args.repeats, stream_buf)
                 del case
                 results[(batch, ctx, dname)] = row

@@ -102,6 +102,19 @@ def test_tiny_presets_have_their_architecture_features(builtin_dir):
     assert oss.sliding_window == 8 and oss.attention_window(1) is None
     assert (oss.router_scoring, oss.expert_activation) == ("topk_softmax", "clamped_swiglu")
     assert (oss.rope.rope_type, oss.rope.truncate) == ("yarn", False)
+    v3 = load_spec(builtin_dir("tiny-deepseek-v3"))
+    assert v3.mla.q_lora_rank and v3.rope_interleave and v3.dense_layers == (0,)
+    assert (v3.router_scoring, v3.router_score_correction, v3.router_group_score) == \
+        ("sigmoid", True, "top2_sum")
+    assert v3.router_groups > v3.router_topk_groups and v3.routed_scaling_factor != 1.0
+    v2 = load_spec(builtin_dir("tiny-deepseek-v2"))
+    assert v2.mla.q_lora_rank is None and v2.rope_interleave and not v2.norm_topk_prob
+    assert (v2.router_scoring, v2.router_score_correction, v2.router_group_score) == \
+        ("softmax", False, "max")
+    assert v2.router_groups > v2.router_topk_groups and v2.routed_scaling_factor != 1.0
+    for mla in (v3, v2):
+        assert mla.shared_expert_intermediate_size == mla.intermediate_size
+        assert mla.head_dim == mla.mla.qk_nope_head_dim + mla.mla.qk_rope_head_dim
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

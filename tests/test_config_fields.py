@@ -29,7 +29,9 @@ def _variant(base: Path, out: Path, changes: dict[str, Any]) -> Path:
             (out / f.name).symlink_to(f)
     cfg = json.loads((base / "config.json").read_text())
     cfg.update(changes)
-    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    # Only the changes' Nones delete: a null in the base config (V2's q_lora_rank) is a value.
+    deleted = {k for k, v in changes.items() if v is None}
+    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in deleted}))
     return out
 
 
@@ -83,6 +85,22 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "gpt-oss-unknown-layer-type": (
         "tiny-gpt-oss", {"layer_types": ["chunked_attention", "full_attention", "full_attention"]},
         "layer_types has ['chunked_attention']", False),
+    # The released DeepSeek-V3 is FP8 with block scales, as its config.json says.
+    "deepseek-v3-fp8-quantization-config": (
+        "tiny-deepseek-v3", {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                     "activation_scheme": "dynamic",
+                                                     "weight_block_size": [128, 128]}},
+        "quantization_config \\(quant_method='fp8'\\)", False),
+    "deepseek-v3-hidden-act-gelu": ("tiny-deepseek-v3", {"hidden_act": "gelu"}, "hidden_act='gelu'", True),
+    # The checkpoint has no bias tensors to compare against: transformers would draw them.
+    "deepseek-v3-attention-bias": ("tiny-deepseek-v3", {"attention_bias": True},
+                                   "attention_bias=True", False),
+    "deepseek-v3-moe-layer-freq": ("tiny-deepseek-v3", {"moe_layer_freq": 2}, "moe_layer_freq=2",
+                                   False),
+    "deepseek-v2-mlp-bias": ("tiny-deepseek-v2", {"mlp_bias": True}, "mlp_bias=True", False),
+    # transformers' V2 router has no such branch (it fails on its missing weights).
+    "deepseek-v2-topk-method-noaux-tc": ("tiny-deepseek-v2", {"topk_method": "noaux_tc"},
+                                         "topk_method='noaux_tc'", False),
 }
 
 
@@ -145,6 +163,29 @@ HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-oss-default-layer-types": ("tiny-gpt-oss", {"layer_types": None}),
     "gpt-oss-default-rope": ("tiny-gpt-oss", {"rope_scaling": None, "rope_theta": None}),
     "gpt-oss-swiglu-alpha": ("tiny-gpt-oss", {"swiglu_alpha": 0.5}),
+    # DeepSeek-V3 with rotate-half RoPE instead of interleaved pairs.
+    "deepseek-v3-rope-not-interleaved": ("tiny-deepseek-v3", {"rope_interleave": False}),
+    # The hub's V3 rope_scaling (legacy "type" key): YaRN on the rope dims, and mscale_all_dim
+    # squared in the softmax scale.
+    "deepseek-v3-rope-yarn-mscale-all-dim": (
+        "tiny-deepseek-v3", {"rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                              "mscale_all_dim": 1.0, "beta_fast": 32,
+                                              "beta_slow": 1,
+                                              "original_max_position_embeddings": 64}}),
+    # The hub's V2 values: equal mscale and mscale_all_dim leave cos/sin unscaled.
+    "deepseek-v2-rope-yarn-mscale-all-dim": (
+        "tiny-deepseek-v2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                              "mscale_all_dim": 0.707,
+                                              "original_max_position_embeddings": 64}}),
+    # V2-Lite's router: greedy top-k over every expert, groups ignored.
+    "deepseek-v2-greedy-ignores-groups": ("tiny-deepseek-v2", {"topk_method": "greedy"}),
+    # transformers' V2 router never renormalises, whatever norm_topk_prob says.
+    "deepseek-v2-norm-topk-prob-not-read": ("tiny-deepseek-v2", {"norm_topk_prob": True}),
+    # The hub's V3 keys transformers does not read, and its multi-token-prediction layer count.
+    "deepseek-v3-hub-keys-not-read": (
+        "tiny-deepseek-v3", {"num_nextn_predict_layers": 1, "ep_size": 1, "aux_loss_alpha": 0.001,
+                             "seq_aux": True, "scoring_func": "softmax", "topk_method": "greedy"}),
+    "deepseek-v3-one-group": ("tiny-deepseek-v3", {"n_group": 1, "topk_group": 1}),
     "qwen2-moe-rope-yarn-mscale": (
         "tiny-qwen2-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
                                             "mscale_all_dim": 0.5,

@@ -273,6 +273,21 @@ def test_tokens_identical_at_every_host_ratio(model_dirs, preset):
         assert _tokens(model_dir, config) == reference, ratio
 
 
+def test_the_first_disk_tier_run_records_the_routing_profile(builtin_dir, tmp_path):
+    """The plain runner has no experts to calibrate on with the disk tier: the first run ranks
+    experts by index and records the profile through the pipeline, for the next run."""
+    from moe_engine.offload.routing import find_profile
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in builtin_dir("tiny-mixtral").iterdir():
+        if f.name != "routing_profile.json":
+            (model_dir / f.name).symlink_to(f)
+    assert find_profile(model_dir) is None
+    _tokens(model_dir, replace(CONFIG, host_resident_ratio=0.5))
+    assert find_profile(model_dir) is not None
+
+
 def test_torch_gemm_reads_the_checkpoint_in_place_and_bf16_packs_once(mixtral_dir):
     reference = _tokens(mixtral_dir, replace(CONFIG, gemm="torch"))
     with LLMEngine(mixtral_dir, replace(CONFIG, gemm="torch", host_resident_ratio=0.0),

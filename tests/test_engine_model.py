@@ -81,13 +81,13 @@ def test_bfloat16_engine_tracks_float32_logits(tiny_mixtral_dir):
 def test_unsupported_architecture_is_named_before_anything_loads(tmp_path):
     # Only a config.json: the error must come from the architecture check, not a missing file.
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "architectures": ["DbrxForCausalLM"], "model_type": "dbrx",
         "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_experts_per_tok": 2}))
     with pytest.raises(UnsupportedArchitectureError) as err:
         LLMEngine(tmp_path, EngineConfig(threads=1, kv_cache_gb=0.01))
     message = str(err.value)
-    assert "DeepseekV2ForCausalLM" in message
+    assert "DbrxForCausalLM" in message
     assert all(name in message for name in ARCHITECTURES)
 
 

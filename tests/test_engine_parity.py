@@ -237,10 +237,13 @@ def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path
                    for x, y in zip(la.experts, lb.experts))
 
 
-def test_multi_token_prediction_layer_past_the_last_layer_is_not_loaded(builtin_dir, tmp_path):
-    """GLM-4.5 checkpoints carry an MTP module as model.layers.<num_hidden_layers>.* (a whole
-    MoE layer plus eh_proj/enorm/hnorm); generation never runs it, so it is never read."""
-    src = builtin_dir("tiny-glm4-moe")
+@pytest.mark.parametrize("preset", ["tiny-glm4-moe", "tiny-deepseek-v3"])
+def test_multi_token_prediction_layer_past_the_last_layer_is_not_loaded(preset, builtin_dir,
+                                                                        tmp_path):
+    """GLM-4.5 and DeepSeek-V3 checkpoints carry an MTP module as
+    model.layers.<num_hidden_layers>.* (a whole MoE layer plus eh_proj/enorm/hnorm); generation
+    never runs it, so it is never read."""
+    src = builtin_dir(preset)
     spec = load_spec(src)
     state = load_file(str(src / "model.safetensors"))
     last, mtp = f"model.layers.{spec.num_layers - 1}.", f"model.layers.{spec.num_layers}."
@@ -286,6 +289,16 @@ VARIANTS = {
              o_bias=False)),
     "gpt-oss-full-attention": ("tiny-gpt-oss", dict(sliding_layers=(), rope_scaling=None),
                                dict(num_windowed_layers=0, sliding_window=None)),
+    # DeepSeek-V3 with a full q projection, two dense layers, a wider latent and rope key and
+    # value heads wider than the nope part; DeepSeek-V2 with a low-rank q and V2-Lite's greedy
+    # router (one group).
+    "deepseek-v3-full-q-wide-latent-two-dense": (
+        "tiny-deepseek-v3", dict(q_lora_rank=None, first_k_dense_replace=2, kv_lora_rank=48,
+                                 qk_rope_head_dim=16, v_head_dim=24),
+        dict(dense_layers=(0, 1), head_dim=32, v_head_dim=24, rotary_dim=16)),
+    "deepseek-v2-low-rank-q-greedy": (
+        "tiny-deepseek-v2", dict(q_lora_rank=24, n_group=1, topk_group=1),
+        dict(router_groups=1, router_topk_groups=1)),
 }
 
 

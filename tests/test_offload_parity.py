@@ -60,10 +60,12 @@ def _offloaded(model_dir, settings: OffloadSettings, **kwargs):
     return engine
 
 
-# Where attention runs does not depend on the architecture: both places for Mixtral only.
+# Where attention runs depends on the architecture only through the cache: both places for
+# Mixtral and for the latent cache of DeepSeek's MLA (read without a value cache on the device).
+BOTH_PLACES = ("tiny-mixtral", "tiny-deepseek-v3", "tiny-deepseek-v2")
 STREAMED_CASES = [(preset, ratio, on_device) for preset in TINY_PRESETS
                   for ratio in (1.0, 0.5, 0.0) for on_device in (False, True)
-                  if preset == "tiny-mixtral" or not on_device]
+                  if preset in BOTH_PLACES or not on_device]
 
 
 @pytest.mark.parametrize("model_dir,ratio,attention_on_device", STREAMED_CASES,

@@ -233,3 +233,35 @@ def test_cuda_pager_pages_are_exact_and_within_budget(tiny_mixtral_dir, spec):
     assert pager.ledger.high_water <= 64 << 20
     assert cuda_available()
     backend.close()
+
+
+def test_a_device_apart_from_the_host_drops_host_copies_of_resident_experts(tiny_mixtral_dir,
+                                                                            spec):
+    """With experts run only on the device, a resident expert's host copy is freed (the
+    performance model counts host memory for the non-resident experts only); the streamed ones
+    stay in the host store and every expert still comes back exact."""
+    class DeviceApart(CpuBackend):
+        device_is_host = False
+
+    reference = _weights(tiny_mixtral_dir, spec)
+    weights = _weights(tiny_mixtral_dir, spec)
+    backend = DeviceApart()
+    pager = WeightPager(weights, backend, _skewed_profile(spec), 0.5,
+                        host_copies_of_resident=False)
+    for layer in range(spec.num_layers):
+        for e in range(spec.num_experts):
+            resident = pager.is_resident(layer, e)
+            assert (weights.layers[layer].experts[e] is None) == resident
+            if resident:
+                with pytest.raises(ValueError, match="on the device only"):
+                    pager.host_expert(layer, e)
+        pager.prefetch(layer)
+        for e in range(spec.num_experts):
+            got = pager.wait(layer, e)
+            assert torch.equal(got.w13, reference.layers[layer].experts[e].w13)
+        pager.release(layer)
+    backend.close()
+    kept = WeightPager(_weights(tiny_mixtral_dir, spec), DeviceApart(), _skewed_profile(spec),
+                       0.5)  # the default keeps them (the CPU may run any expert)
+    assert all(x is not None for row in kept.host_experts for x in row)
+    kept.backend.close()

@@ -98,9 +98,12 @@ GLM_CASES = [(hw, "glm-4.5-air", wl) for hw in ("a100", "h100")
 # GPT-OSS-20B (bf16, ~42 GB) and 120B (~234 GB) on the same machines.
 GPT_OSS_CASES = [(hw, name, wl) for hw in ("a100", "h100") for name in ("gpt-oss-20b", "gpt-oss-120b")
                  for wl in (MTBENCH, WorkloadSpec(1693, 1984, 64))]
+# DeepSeek-V3: 671B in bf16 is more than the H100 preset's host memory, so the disk tier too.
+DEEPSEEK_CASES = [("h100", "deepseek-v3", MTBENCH)]
 
 
-@pytest.mark.parametrize("hw_name,model_name,wl", PRESET_CASES[::3] + GLM_CASES + GPT_OSS_CASES)
+@pytest.mark.parametrize("hw_name,model_name,wl",
+                         PRESET_CASES[::3] + GLM_CASES + DEEPSEEK_CASES + GPT_OSS_CASES)
 def test_policy_satisfies_memory_constraints_and_stage1_bound(hw_name, model_name, wl):
     hw, m = load_preset(hw_name), reference_model(model_name)
     r = choose_policy(m, hw, wl, backend="cuda")

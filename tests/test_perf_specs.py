@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -13,7 +14,8 @@ from moe_engine.perf.reference_models import REFERENCE_CONFIGS, reference_model
 # Published total parameter counts (billions).
 PUBLISHED_PARAMS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "qwen1.5-moe-a2.7b": 14.3,
                     "qwen3-30b-a3b": 30.5, "olmoe-1b-7b": 6.9, "deepseek-v2-lite": 15.7,
-                    "glm-4.5": 355, "glm-4.5-air": 106, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8}
+                    "glm-4.5": 355, "glm-4.5-air": 106, "deepseek-v3": 671,
+                    "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
@@ -43,8 +45,28 @@ def test_deepseek_v2_dense_first_layer_and_mla_cache():
     m = reference_model("deepseek-v2-lite")
     assert m.num_moe_layers == 26 and m.num_dense_layers == 1
     assert m.shared_expert_intermediate_size == 2 * 1408
-    # The HF cache holds per-head K (128 nope + 64 rope) and V (128).
-    assert m.kv_bytes_per_token_layer == 16 * (192 + 128) * 2
+    # The latent cache holds the 512-dim latent and the 64-dim rope key, not per-head K/V.
+    assert m.kv_bytes_per_token_layer == (512 + 64) * 2
+    assert m.kv_bytes_per_token == 27 * (512 + 64) * 2
+    # V2-Lite's greedy router ignores groups and never renormalises.
+    assert (m.router_scoring, m.router_groups, m.norm_topk_prob) == ("softmax", 1, False)
+
+
+# DeepSeek-V3 report: 671B total, 37B activated per token (two significant figures), both
+# without the multi-token-prediction module. The decoder layers a token runs through hold
+# 35.70B; with the LM head every token multiplies by (the embedding is one row read) 36.63B.
+def test_deepseek_v3_reference_config_matches_published_total_and_activated_counts():
+    m = reference_model("deepseek-v3")
+    assert m.total_params / 1e9 == pytest.approx(671, rel=0.01)
+    activated = m.active_params + m.vocab_size * m.hidden_size
+    assert activated / 1e9 == pytest.approx(37, rel=0.015)
+    assert round(activated / 1e9) == 37
+    assert m.dense_layers == (0, 1, 2) and m.num_moe_layers == 58
+    assert (m.router_scoring, m.router_groups, m.router_topk_groups) == ("sigmoid", 8, 4)
+    assert m.kv_bytes_per_token == 61 * (512 + 64) * 2
+    # YaRN factor 40 with mscale_all_dim 1 scales the softmax by mscale^2 (transformers).
+    mscale = 0.1 * math.log(40) + 1.0
+    assert m.attention_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
 
 
 # GLM-4.5 report / model cards: total and activated parameters (billions). "Activated" counts

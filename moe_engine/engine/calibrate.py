@@ -67,6 +67,13 @@ def find_or_record_routing(engine, model_dir: str | Path, resident_ratio: float,
     profile = find_profile(model_dir, cache_dir)
     if profile is not None or resident_ratio >= 1.0:
         return profile
+    return record_bundled_routing(engine, model_dir, cache_dir)
+
+
+def record_bundled_routing(engine, model_dir: str | Path,
+                           cache_dir: Optional[str | Path] = None) -> Optional[RoutingProfile]:
+    """A routing profile recorded with `engine` on the bundled prompts and saved for the next
+    run (None when the prompts are missing)."""
     requests = calibration_requests()
     if not requests:
         return None

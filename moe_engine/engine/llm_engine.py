@@ -15,7 +15,7 @@ import torch
 
 from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.engine.block_manager import BlockAllocator, WindowPool
-from moe_engine.engine.calibrate import find_or_record_routing
+from moe_engine.engine.calibrate import find_or_record_routing, record_bundled_routing
 from moe_engine.engine.memory import rss_bytes
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.engine.request import Request, RequestResult, stable_seed
@@ -86,7 +86,9 @@ class LLMEngine:
                                  window_blocks)
         runner = ModelRunner(self.spec, weights, cache,
                              DecodeAttention(config.attention, threads,
-                                             head_dim=self.spec.head_dim,
+                                             head_dim=self.spec.kv_cache_layout[1],
+                                             latent_value_dim=(self.spec.mla.kv_lora_rank
+                                                               if self.spec.mla else None),
                                              features=self.spec.attention_features),
                              max_model_len, act_dtype)
         eos = frozenset(tokenizer.eos_token_ids) or frozenset(self.spec.eos_token_ids)
@@ -106,7 +108,7 @@ class LLMEngine:
                                                   trace=trace)
             self.runner = self.offload
             if disk_tier and routing is None:
-                find_or_record_routing(self, model_dir, 0.0)
+                record_bundled_routing(self, model_dir)
 
     @classmethod
     def around(cls, runner, config: EngineConfig, num_blocks: int, vocab_size: int,

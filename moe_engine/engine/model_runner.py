@@ -18,6 +18,7 @@ from moe_engine.model.attention import DecodeAttention, prefill_attention
 from moe_engine.model.kv_cache import KVCache
 from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, linear,
                                      moe_ffn, qkv_projection, rms_norm, route)
+from moe_engine.model.mla import latent_to_values, mla_projection
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ModelWeights
 
@@ -91,7 +92,7 @@ class ModelRunner:
         self.attention = attention
         self.dtype = dtype
         self.rope = RotaryTable(spec, max_positions, dtype)
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.attention_scale
         self.times = PhaseTimes()
         self.routing_observer: Optional[RoutingObserver] = None
 
@@ -111,17 +112,20 @@ class ModelRunner:
         return Activation(self.weights.embed[mb.input_ids].to(self.dtype))
 
     def pre_attention(self, layer: int, mb: MicroBatchInput, act: Activation) -> None:
-        """Input norm, fused QKV projection, RoPE."""
+        """Input norm, fused QKV projection, RoPE (MLA: q in the latent space and the latent
+        cache entry, model/mla.py)."""
         t0 = time.perf_counter()
         dense = self.weights.layers[layer].dense
         h = rms_norm(act.x, dense.input_norm, self.spec.rms_norm_eps)
-        act.q, act.k, act.v = qkv_projection(dense, h, self.spec, self.rope, mb.positions)
+        project = qkv_projection if dense.mla is None else mla_projection
+        act.q, act.k, act.v = project(dense, h, self.spec, self.rope, mb.positions)
         self.times.dense_s += time.perf_counter() - t0
 
     def attend(self, layer: int, mb: MicroBatchInput, act: Activation) -> None:
         """Store the new K/V, then prefill attention on the fresh K/V and decode on the cache."""
         t0 = time.perf_counter()
-        kc, vc = self.cache.key[layer], self.cache.value[layer]
+        kc = self.cache.key[layer]
+        vc = self.cache.value[layer] if self.cache.value else None  # None: a latent cache
         sinks = self.weights.layers[layer].dense.sinks
         window = self.spec.attention_window(layer)
         slots, tables = mb.slot_mapping, mb.block_tables
@@ -129,7 +133,7 @@ class ModelRunner:
             slots, tables = mb.window_slot_mapping, mb.window_block_tables
         self.attention.write_kv(kc, vc, act.k, act.v, slots)
         npf = mb.num_prefill_tokens
-        out = torch.empty_like(act.q)
+        out = act.q.new_empty(*act.q.shape[:2], act.v.shape[-1])
         if npf:
             out[:npf] = prefill_attention(act.q[:npf], act.k[:npf], act.v[:npf], mb.prefill_lens,
                                           self.scale, sinks=sinks, window=window)
@@ -144,7 +148,8 @@ class ModelRunner:
         """O projection + residual, post norm and (in a MoE layer) the router."""
         t0 = time.perf_counter()
         dense = self.weights.layers[layer].dense
-        act.x = act.x + attention_output(dense, act.attn)
+        attn = act.attn if dense.mla is None else latent_to_values(dense.mla, act.attn)
+        act.x = act.x + attention_output(dense, attn)
         act.attn = None
         h = rms_norm(act.x, dense.post_norm, self.spec.rms_norm_eps)
         routed = Routed(h)

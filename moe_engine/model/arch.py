@@ -10,6 +10,7 @@ config may omit). Slots:
           shared_expert_gate (Qwen2-MoE's shared expert; GLM-4.5's shared experts have no
           gate); score_correction_bias (the router's e_score_correction_bias, GLM-4.5);
           sinks (per-head attention sink logits) and router_bias (GPT-OSS)
+          MLA (DeepSeek): q or q_a/q_a_norm/q_b, kv_a, kv_a_norm, kv_b (and o)
   expert: w1 (gate), w3 (up), w2 (down), one tensor per expert
   fused:  gate_up [E, 2*I, H] and down [E, H, I], the layout transformers 5 uses in memory;
           GPT-OSS's: gate_up_interleaved [E, H, 2*I] (gate in the even columns, up in the
@@ -42,9 +43,11 @@ _GLOBAL: tuple[Rule, ...] = (
     (r"model\.norm\.weight", "global", "final_norm"),
     (r"lm_head\.weight", "global", "lm_head"),
 )
-_NORMS_AND_ATTENTION: tuple[Rule, ...] = (
+_NORMS: tuple[Rule, ...] = (
     (_L + r"input_layernorm\.weight", "layer", "input_norm"),
     (_L + r"post_attention_layernorm\.weight", "layer", "post_norm"),
+)
+_NORMS_AND_ATTENTION: tuple[Rule, ...] = _NORMS + (
     (_L + r"self_attn\.q_proj\.weight", "layer", "q"),
     (_L + r"self_attn\.k_proj\.weight", "layer", "k"),
     (_L + r"self_attn\.v_proj\.weight", "layer", "v"),
@@ -100,6 +103,22 @@ OLMOE_TABLE = _COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS
 # decoder layer (model.layers.<num_hidden_layers>.*) is skipped by the loader.
 GLM4_MOE_TABLE = (_COMMON + _ATTENTION_BIAS + _QK_NORM + _QWEN_EXPERTS + _SCORE_CORRECTION
                   + _SHARED_EXPERTS + _DENSE_MLP)
+# Multi-head latent attention (DeepSeek-V2/V3): q is q_proj (no q_lora_rank) or q_a_proj,
+# q_a_layernorm, q_b_proj; kv_a_proj_with_mqa gives the latent and the rope key,
+# kv_b_proj up-projects the latent to each head's nope key and value.
+_MLA: tuple[Rule, ...] = _NORMS + (
+    (_L + r"self_attn\.q_proj\.weight", "layer", "q"),
+    (_L + r"self_attn\.q_a_proj\.weight", "layer", "q_a"),
+    (_L + r"self_attn\.q_a_layernorm\.weight", "layer", "q_a_norm"),
+    (_L + r"self_attn\.q_b_proj\.weight", "layer", "q_b"),
+    (_L + r"self_attn\.kv_a_proj_with_mqa\.weight", "layer", "kv_a"),
+    (_L + r"self_attn\.kv_a_layernorm\.weight", "layer", "kv_a_norm"),
+    (_L + r"self_attn\.kv_b_proj\.weight", "layer", "kv_b"),
+    (_L + r"self_attn\.o_proj\.weight", "layer", "o"),
+)
+# The MTP layer DeepSeek-V3 checkpoints carry past the last decoder layer is skipped as GLM's.
+DEEPSEEK_V3_TABLE = _GLOBAL + _MLA + _QWEN_EXPERTS + _SCORE_CORRECTION + _SHARED_EXPERTS + _DENSE_MLP
+DEEPSEEK_V2_TABLE = _GLOBAL + _MLA + _QWEN_EXPERTS + _SHARED_EXPERTS + _DENSE_MLP
 
 
 _GPT_OSS_BLOCK = (
@@ -136,6 +155,7 @@ class Architecture:
     attention_sinks, router_bias, expert_bias, expert_activation: see ModelSpec (GPT-OSS).
     default_rope_parameters / default_rope_theta: RoPE of a config with no RoPE keys, where
     the config class fills one in (GPT-OSS's YaRN).
+    mla: multi-head latent attention (DeepSeek-V2/V3; ModelSpec.mla from the config's ranks).
     """
 
     model_type: str
@@ -154,6 +174,7 @@ class Architecture:
     expert_activation: str = "silu"
     default_rope_parameters: tuple[tuple[str, Any], ...] = ()
     default_rope_theta: float = 10000.0
+    mla: bool = False
 
     def own_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """The architecture-specific settings of `cfg`, defaults filled in."""
@@ -161,6 +182,9 @@ class Architecture:
 
 
 _QWEN_SPARSITY = (("norm_topk_prob", False), ("decoder_sparse_step", 1), ("mlp_only_layers", []))
+# Both DeepSeek configs' MLA shapes and defaults.
+_MLA_KEYS = (("q_lora_rank", 1536), ("kv_lora_rank", 512), ("qk_nope_head_dim", 128),
+             ("qk_rope_head_dim", 64), ("v_head_dim", 128))
 
 ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture("mixtral", MIXTRAL_TABLE, fixed=(("norm_topk_prob", True),),
@@ -201,6 +225,27 @@ ARCHITECTURES: dict[str, Architecture] = {
                                  ("beta_slow", 1.0), ("truncate", False),
                                  ("original_max_position_embeddings", 4096)),
         default_rope_theta=150000.0),
+    # Defaults from transformers' DeepseekV3Config. Its router always limits to the best groups
+    # (topk_method and scoring_func of hub configs are not read); it renormalises with
+    # norm_topk_prob; RoPE pairs dims as rope_interleave says.
+    "DeepseekV3ForCausalLM": Architecture(
+        "deepseek_v3", DEEPSEEK_V3_TABLE,
+        config_keys=(("attention_bias", False), ("norm_topk_prob", True), ("n_shared_experts", 1),
+                     ("first_k_dense_replace", 3), ("n_group", 8), ("topk_group", 4),
+                     ("routed_scaling_factor", 2.5), ("rope_interleave", True))
+        + _MLA_KEYS,
+        fixed=(("e_score_correction_bias", True), ("group_score", "top2_sum")),
+        router_weights_fp32=True, router_scoring="sigmoid", router_logits_fp32=True, mla=True),
+    # DeepseekV2Config's defaults. transformers' V2 router never renormalises the top-k weights
+    # (norm_topk_prob is not read), limits to groups by their best score only with
+    # topk_method group_limited_greedy, and rotates RoPE pairs as complex numbers.
+    "DeepseekV2ForCausalLM": Architecture(
+        "deepseek_v2", DEEPSEEK_V2_TABLE,
+        config_keys=(("attention_bias", False), ("n_shared_experts", 2),
+                     ("first_k_dense_replace", 0), ("n_group", None), ("topk_group", None),
+                     ("routed_scaling_factor", 1.0), ("topk_method", "greedy")) + _MLA_KEYS,
+        fixed=(("norm_topk_prob", False), ("group_score", "max"), ("rope_interleave", True)),
+        router_weights_fp32=True, router_logits_fp32=True, mla=True),
 }
 
 

@@ -10,6 +10,7 @@ and skipped).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -21,14 +22,15 @@ from moe_engine.model.kernel_import import import_kernel
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       seq_lens: list[int], scale: float, *, sinks: Optional[torch.Tensor] = None,
                       window: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of each sequence over its own tokens; q [T, nq, d], k/v [T, nkv, d].
+    """Causal attention of each sequence over its own tokens; q [T, nq, d], k [T, nkv, d],
+    v [T, nkv, dv] -> [T, nq, dv].
 
     Tokens are packed without padding, so each sequence is one SDPA call on its own slice; GQA
     is expanded inside SDPA (enable_gqa), never by copying K/V. With attention sinks [nq] or a
     window (a query at i sees keys (i - window, i]), GPT-OSS's, the softmax is written out
     (SDPA has no sink term), the GQA group folded into the query length.
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
     start = 0
     for n in seq_lens:
         end = start + n
@@ -77,27 +79,34 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor],
     return torch.softmax(combined, dim=-1)[..., :-1]
 
 
-def torch_write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def torch_write_kv(key_cache: torch.Tensor, value_cache: Optional[torch.Tensor],
+                   key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter key/value [T, nkv, d] into the paged cache at slot_mapping [T] (int64),
-    converted to the cache dtype; negative slots (padding) are skipped."""
+    converted to the cache dtype; negative slots (padding) are skipped. Without a value cache
+    (MLA's latent cache, whose values are part of its keys) only the keys are written."""
     bs = key_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks = torch.div(slots, bs, rounding_mode="floor")
     offsets = slots - blocks * bs
     key_cache[blocks, :, offsets, :] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, :, offsets, :] = value[keep].to(value_cache.dtype)
+    if value_cache is not None:
+        value_cache[blocks, :, offsets, :] = value[keep].to(value_cache.dtype)
 
 
 def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
-                                 value_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 value_cache: Optional[torch.Tensor], block_tables: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float, *,
                                  out: Optional[torch.Tensor] = None,
-                                 num_threads: int = 0, sinks: Optional[torch.Tensor] = None,
+                                 num_threads: int = 0,
+                                 value_dim: Optional[int] = None,
+                                 sinks: Optional[torch.Tensor] = None,
                                  window: Optional[int] = None) -> torch.Tensor:
     """One query token per sequence against its cached context: the torch reference of the
     Cython kernel, with the same contract (num_threads is ignored), on any device.
+
+    Without a value cache the values are the first `value_dim` dims of the keys (MLA's latent
+    cache, model/mla.py) and the result has value_dim dims.
 
     query [N, nq, d] in fp32 or the cache dtype (the result has the query dtype); softmax and
     accumulation in fp32, like the kernel. The GQA group is folded into the query length
@@ -109,35 +118,36 @@ def torch_paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor,
     """
     n, nq, d = query.shape
     nkv, bs = key_cache.shape[1], key_cache.shape[2]
+    dv = value_cache.shape[-1] if value_cache is not None else value_dim
     ctx = context_lens.long()
     nblk = -(-int(ctx.max()) // bs) if n else 0
-    result = torch.zeros(n, nq, d, dtype=torch.float32, device=query.device)
+    result = torch.zeros(n, nq, dv, dtype=torch.float32, device=query.device)
     if nblk:
         pos = torch.arange(nblk * bs, device=query.device)
         # Table entries past a sequence's last block may hold anything: read block 0 instead.
         used = pos[::bs][None, :] < ctx[:, None]
         tables = torch.where(used, block_tables[:, :nblk].long(), 0)
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [N, nkv, nblk * bs, d] fp32
-            return cache[tables].float().permute(0, 2, 1, 3, 4).reshape(n, nkv, nblk * bs, d)
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [N, nkv, nblk * bs, dims] fp32
+            return cache[tables].float().permute(0, 2, 1, 3, 4).reshape(n, nkv, nblk * bs, -1)
 
         q = query.float().reshape(n, nkv, nq // nkv, d)
         seen = pos[None, :] < ctx[:, None]
         if window is not None:
             seen &= pos[None, :] >= ctx[:, None] - window
         mask = seen.reshape(n, 1, 1, nblk * bs)
+        keys = gather(key_cache)
+        values = gather(value_cache) if value_cache is not None else keys[..., :dv]
         if sinks is None:
-            o = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache),
-                                               attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         else:
             # One query row per group head: [N, nkv, G, 1, L] in softmax_with_sinks' layout.
-            keys, values = gather(key_cache).unsqueeze(2), gather(value_cache).unsqueeze(2)
-            scores = (q.unsqueeze(3) @ keys.transpose(-1, -2)).mul_(scale)
+            scores = (q.unsqueeze(3) @ keys.unsqueeze(2).transpose(-1, -2)).mul_(scale)
             probs = softmax_with_sinks(scores.masked_fill(~mask.unsqueeze(1), float("-inf")),
                                        sinks, nkv)
-            o = (probs @ values).squeeze(3)
+            o = (probs @ values.unsqueeze(2)).squeeze(3)
         # A fully masked row (no context) is NaN or garbage depending on the SDPA backend.
-        result = torch.where((ctx > 0)[:, None, None], o.reshape(n, nq, d), 0.0)
+        result = torch.where((ctx > 0)[:, None, None], o.reshape(n, nq, dv), 0.0)
     if out is None:
         return result.to(query.dtype)
     out.copy_(result)
@@ -157,13 +167,20 @@ class DecodeAttention:
     """
 
     def __init__(self, impl: str = "auto", num_threads: int = 0,
-                 head_dim: Optional[int] = None, features: tuple[str, ...] = ()):
+                 head_dim: Optional[int] = None, latent_value_dim: Optional[int] = None,
+                 features: tuple[str, ...] = ()):
+        """`head_dim`: the cache entry's width per head (MLA: the latent and the rope key).
+        `latent_value_dim`: the cache is MLA's latent cache, whose values are the first
+        latent_value_dim dims of its keys (kv_lora_rank)."""
         impl = getattr(impl, "value", impl)
         if impl not in ("auto", "cython", "torch"):
             raise ValueError(f"unknown attention implementation {impl!r}")
         self.num_threads = num_threads
+        self.latent_value_dim = latent_value_dim
         self.write_kv: Callable = torch_write_kv
-        self.decode: Callable = torch_paged_decode_attention
+        self.decode: Callable = (torch_paged_decode_attention if latent_value_dim is None else
+                                 partial(torch_paged_decode_attention,
+                                         value_dim=latent_value_dim))
         self.name = "torch"
         self.isa: Optional[str] = None
         self.fallback_reason: Optional[str] = None
@@ -176,8 +193,12 @@ class DecodeAttention:
         if reason is None and missing:
             reason = f"the Cython kernel does not compute {' or '.join(missing)}"
         if reason is None:
-            self.write_kv = kernels.write_kv
-            self.decode = kernels.paged_decode_attention
+            if latent_value_dim is None:
+                self.write_kv = kernels.write_kv
+                self.decode = kernels.paged_decode_attention
+            else:  # the latent's keys are written by torch_write_kv: one row per token
+                self.decode = partial(_latent_on_kernel, kernels.paged_decode_attention,
+                                      latent_value_dim)
             self.name = "cython"
             self.isa = kernels.ISA
         elif impl == "cython":
@@ -193,7 +214,8 @@ class DecodeAttention:
         return self.name if self.fallback_reason is None else (
             f"{self.name} ({self.fallback_reason})")
 
-    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: Optional[torch.Tensor],
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float, sinks: Optional[torch.Tensor] = None,
                  window: Optional[int] = None) -> torch.Tensor:
@@ -201,6 +223,23 @@ class DecodeAttention:
         extra = {} if sinks is None and window is None else {"sinks": sinks, "window": window}
         return self.decode(query, key_cache, value_cache, block_tables, context_lens, scale,
                            num_threads=self.num_threads, **extra)
+
+
+def _latent_on_kernel(kernel: Callable, value_dim: int, query: torch.Tensor,
+                      key_cache: torch.Tensor, value_cache: Optional[torch.Tensor],
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                      out: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
+    """MLA's decode on the GQA kernel: every query head is in the group of the one latent
+    "head", and the latent cache is handed over as the keys and as the values, so each block
+    is read from memory once (its second reading, as values, comes from the CPU's cache); the
+    rope dims of the result are dropped (their share of the P.V work, rope / (rank + rope), is
+    the cost of having no kernel of MLA's own)."""
+    full = kernel(query, key_cache, key_cache, block_tables, context_lens, scale,
+                  num_threads=num_threads)
+    if out is None:
+        return full[..., :value_dim]
+    out.copy_(full[..., :value_dim])
+    return out
 
 
 def _load_kernels():

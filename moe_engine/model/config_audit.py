@@ -1,21 +1,24 @@
 """config.json fields that would change the math but the engine does not compute: refused at load.
 
-Audited field by field against transformers' configuration and modeling files of the six
-families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, GPT-OSS). A field is in one of three
-groups:
+Audited field by field against transformers' configuration and modeling files of the eight
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3, DeepSeek-V2, GPT-OSS). A
+field is in one of three groups:
   honoured: spec.py reads it into ModelSpec and the layers compute it (shapes, rms_norm_eps,
       RoPE default/dynamic/linear/llama3/yarn, biases, q/k norms, clip_qkv, norm_topk_prob, shared
       experts, dense layers, tied embeddings, dtype; GLM-4.5's partial_rotary_factor,
       use_qk_norm, n_shared_experts, first_k_dense_replace, n_group, topk_group,
-      routed_scaling_factor; GPT-OSS's layer_types with sliding_window, swiglu_alpha,
-      swiglu_limit, attention_bias and its YaRN with truncate);
+      routed_scaling_factor; DeepSeek's MLA ranks and head dims, rope_interleave, V2's
+      topk_method, YaRN's mscale_all_dim in the softmax scale; GPT-OSS's layer_types with
+      sliding_window, swiglu_alpha, swiglu_limit, attention_bias and its YaRN with truncate);
   inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
       router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
       it), a sliding window no sequence can outgrow, GLM-4.5's num_nextn_predict_layers (the
       multi-token-prediction layer only drafts tokens for speculative decoding; generate does
-      not run it by default), hidden_act on GPT-OSS (its experts always compute the clamped
-      SwiGLU, whatever the key says);
+      not run it by default) and DeepSeek-V3's; keys transformers' DeepSeek code never reads
+      (scoring_func, topk_method on V3, ep_size, aux_loss_alpha, seq_aux; norm_topk_prob on
+      V2); hidden_act on GPT-OSS (its experts always compute the clamped SwiGLU, whatever the
+      key says);
   refused here: everything else that transformers computes, each naming the field and value.
 It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
 parameters and the effective window through the helpers here, so reader and judge agree.
@@ -168,9 +171,35 @@ def _check_quantization(cfg: Mapping[str, Any], model_type: str) -> Optional[str
             "supported; load a bf16/fp16/fp32 checkpoint")
 
 
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+# transformers' DeepSeek-V2 router knows these two; any other leaves it without weights.
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def _check_deepseek(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type not in DEEPSEEK_TYPES:
+        return None
+    problems = []
+    if cfg.get("attention_bias"):
+        problems.append("attention_bias=True: biases on the MLA projections are not implemented")
+    if model_type == "deepseek_v2" and cfg.get("mlp_bias"):
+        problems.append("mlp_bias=True: the MLPs compute SwiGLU without biases")
+    method = cfg.get("topk_method", "greedy")
+    if model_type == "deepseek_v2" and method not in V2_TOPK_METHODS:
+        problems.append(f"topk_method={method!r}: DeepSeek-V2's router has "
+                        f"{', '.join(V2_TOPK_METHODS)}")
+    # transformers places MoE layers by first_k_dense_replace alone; DeepSeek's own code also
+    # by moe_layer_freq, so a value other than 1 has no reference to match.
+    freq = cfg.get("moe_layer_freq", 1)
+    if freq not in (1, None):
+        problems.append(f"moe_layer_freq={freq!r}: only every layer from first_k_dense_replace "
+                        "on is a MoE layer here, as transformers builds it")
+    return "; ".join(problems) or None
+
+
 CHECKS: tuple[Callable[[Mapping[str, Any], str], Optional[str]], ...] = (
     _check_sliding_window, _check_activation, _check_rope_type, _check_partial_rotary,
-    _check_quantization)
+    _check_quantization, _check_deepseek)
 
 
 def refuse_unhonoured_fields(cfg: Mapping[str, Any], model_type: str) -> None:

@@ -1,7 +1,9 @@
 """Paged KV cache in host memory: the per-layer block tensors and their size budget.
 
 Layout per layer: [num_blocks, n_kv_heads, block_size, head_dim]; the slot of token position p of a
-sequence is block_table[p // block_size] * block_size + p % block_size.
+sequence is block_table[p // block_size] * block_size + p % block_size. MLA (DeepSeek) caches one
+latent entry per token instead, [num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim] in
+`key`, whose first kv_lora_rank dims are also the values: `value` is then empty.
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def kv_pool_blocks(spec: ModelSpec, dtype: torch.dtype, budget_gb: float, block_
 
 @dataclass
 class KVCache:
-    """The cache tensors: key[layer] and value[layer], each [num_blocks, n_kv, block_size, d]."""
+    """The cache tensors: key[layer] and value[layer], each [num_blocks, n_kv, block_size, d];
+    value is [] for a latent cache (ModelSpec.kv_cache_layout)."""
 
     key: list[torch.Tensor]
     value: list[torch.Tensor]
@@ -61,18 +64,21 @@ class KVCache:
         (kv_pool_blocks)."""
         if num_blocks < 1:
             raise ValueError("KV cache budget is smaller than one block")
+        heads, key_dim, value_dim = spec.kv_cache_layout
         blocks_of = [window_blocks if window_blocks is not None and
                      spec.attention_window(i) is not None else num_blocks
                      for i in range(spec.num_layers)]
         # One allocation per K/V and pool; zeros so stale pages never hold NaNs a masked
-        # kernel could touch.
+        # kernel could touch. A latent cache (MLA) has no value tensors.
         pools = {}
         for blocks in set(blocks_of):
-            shape = (blocks_of.count(blocks), blocks, spec.num_kv_heads, block_size, spec.head_dim)
-            pools[blocks] = (iter(torch.zeros(shape, dtype=dtype).unbind(0)),
-                             iter(torch.zeros(shape, dtype=dtype).unbind(0)))
+            shape = (blocks_of.count(blocks), blocks, heads, block_size)
+            values = (iter(torch.zeros(shape + (value_dim,), dtype=dtype).unbind(0))
+                      if value_dim else None)
+            pools[blocks] = (iter(torch.zeros(shape + (key_dim,), dtype=dtype).unbind(0)), values)
         return cls(key=[next(pools[b][0]) for b in blocks_of],
-                   value=[next(pools[b][1]) for b in blocks_of], block_size=block_size)
+                   value=[next(pools[b][1]) for b in blocks_of] if value_dim else [],
+                   block_size=block_size)
 
     @property
     def num_blocks(self) -> int:

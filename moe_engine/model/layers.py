@@ -1,8 +1,9 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
-Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE and GPT-OSS numerically (RMSNorm
-in fp32, router scores in fp32, top-k weights renormalised where the spec says so) so fp32 runs
-match them to rounding. Where the architectures differ, a ModelSpec flag picks the branch.
+Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3/V2 and
+GPT-OSS numerically (RMSNorm in fp32, router scores in fp32, top-k weights renormalised where the
+spec says so) so fp32 runs match them to rounding; DeepSeek's latent attention is in model/mla.py.
+Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
 
@@ -92,11 +93,13 @@ class RotaryTable:
 
     With a partial rotary factor (GLM-4.5) only the first `rotary_dim` dims of a head rotate,
     by the rotate-half pairing (i, i + rotary_dim/2) within them, as transformers'
-    apply_rotary_pos_emb does; the frequencies are those of a head of rotary_dim dims.
+    apply_rotary_pos_emb does; the frequencies are those of a head of rotary_dim dims. With
+    rope_interleave (DeepSeek) dims (2i, 2i+1) rotate together by frequency i instead.
     """
 
     def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype):
         self.rotary_dim = spec.rotary_dim
+        self.interleave = spec.rope_interleave
         inv, scale = rope_inv_freq(spec.rope, self.rotary_dim)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
@@ -109,15 +112,26 @@ class RotaryTable:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         r = self.rotary_dim
+        rotate = _rotate_pairs if self.interleave else _rotate
         if r == x.shape[-1]:
-            return _rotate(x, cos, sin)
-        return torch.cat([_rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+            return rotate(x, cos, sin)
+        return torch.cat([rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by angle i, output as [rotated evens | rotated odds]
+    (transformers' DeepSeek-V3 layout; V2's complex rotation writes the pairs back interleaved,
+    but only dot products of equally laid out q and k follow, which the order leaves alone)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
 def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,

@@ -11,8 +11,8 @@ from safetensors import safe_open
 
 from moe_engine.model.arch import NameTable
 from moe_engine.model.spec import ModelSpec
-from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights,
-                                      SwigluClamp)
+from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, MlaWeights,
+                                      ModelWeights, SwigluClamp)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,7 +107,12 @@ def expert_clamp(spec: ModelSpec) -> Optional[SwigluClamp]:
 
 def _required_slots(spec: ModelSpec, layer: int) -> set[str]:
     """Slots layer `layer` must have under the spec's flags."""
-    need = {"input_norm", "post_norm", "q", "k", "v", "o"}
+    need = {"input_norm", "post_norm", "o"}
+    if spec.mla is None:
+        need |= {"q", "k", "v"}
+    else:
+        need |= {"kv_a", "kv_a_norm", "kv_b"}
+        need |= {"q_a", "q_a_norm", "q_b"} if spec.mla.q_lora_rank else {"q"}
     if spec.qkv_bias:
         need |= {"q_bias", "k_bias", "v_bias"}
     if spec.o_bias:
@@ -143,9 +148,12 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         # Upcast once here rather than per step where the router GEMM runs in fp32 (the
         # weight is first rounded to the model dtype, as transformers loads it).
         router = (d["router"].float() if spec.router_logits_fp32 else d["router"]).contiguous()
+    mla = _mla(d, spec) if spec.mla is not None else None
+    first = [d["q_a" if mla and mla.q_a_norm is not None else "q"]] + (
+        [d["kv_a"]] if mla else [d["k"], d["v"]])
     return DenseLayerWeights(
         input_norm=d["input_norm"], post_norm=d["post_norm"],
-        wqkv=torch.cat([d["q"], d["k"], d["v"]], dim=0).contiguous(),
+        wqkv=torch.cat(first, dim=0).contiguous(),
         wo=d["o"].contiguous(),
         router=router,
         bqkv=torch.cat([d["q_bias"], d["k_bias"], d["v_bias"]]) if spec.qkv_bias else None,
@@ -158,11 +166,24 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         score_correction_bias=(d["score_correction_bias"].contiguous()
                                if moe and spec.router_score_correction else None),
         sinks=d["sinks"].contiguous() if spec.attention_sinks else None,
-        router_bias=d["router_bias"].contiguous() if moe and spec.router_bias else None)
+        router_bias=d["router_bias"].contiguous() if moe and spec.router_bias else None,
+        mla=mla)
+
+
+def _mla(d: dict[str, torch.Tensor], spec: ModelSpec) -> MlaWeights:
+    """kv_b_proj [heads * (nope + v), rank] split per head into its key and value parts."""
+    a = spec.mla
+    kv_b = d["kv_b"].view(spec.num_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+    w_uk, w_uv = kv_b.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
+    low_rank_q = a.q_lora_rank is not None
+    return MlaWeights(kv_a_norm=d["kv_a_norm"], w_uk=w_uk.contiguous(),
+                      w_uv=w_uv.transpose(1, 2).contiguous(),
+                      q_a_norm=d["q_a_norm"] if low_rank_q else None,
+                      wq_b=d["q_b"].contiguous() if low_rank_q else None)
 
 
 def swiglu_weights(d: dict[str, torch.Tensor], prefix: str = "",
-            clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
+                   clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
     """Fuse gate (w1) and up (w3) of the MLP whose slots start with `prefix`, and their
     biases (b1, b3) where it has them."""
     b13 = (torch.cat([d[prefix + "b1"], d[prefix + "b3"]]).contiguous()

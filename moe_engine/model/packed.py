@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from moe_engine.model.kernel_import import import_kernel
-from moe_engine.model.weights import DenseLayerWeights, ExpertWeights, LayerWeights, ModelWeights
+from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, MlaWeights,
+                                      ModelWeights)
 
 # None when not built: the engine keeps torch's GEMMs
 _ext = import_kernel("moe_engine._kernels.packed_gemm")
@@ -205,13 +206,25 @@ def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> Mode
             mlp=mlp(d.mlp), shared_expert=mlp(d.shared_expert),
             shared_expert_gate=fp32(d.shared_expert_gate),
             score_correction_bias=(small(d.score_correction_bias)
-                                   if d.score_correction_bias is not None else None))
+                                   if d.score_correction_bias is not None else None),
+            mla=_pack_mla(d.mla, storage) if d.mla is not None else None)
         layers.append(LayerWeights(dense, [pack_expert(x.w13, x.w2, expert_storage)
                                            if x is not None else None  # on disk
                                            for x in layer.experts]))
         weights.layers[i] = None  # the unpacked layer can go now
     return ModelWeights(embed=weights.embed, final_norm=small(weights.final_norm),
                         lm_head=pack_linear(weights.lm_head, storage), layers=layers)
+
+
+def _pack_mla(m: MlaWeights, storage: str) -> MlaWeights:
+    """q_b_proj packed, and the per-head latent maps as one packed projection per head (a
+    batched matmul over the heads in torch would make a row's result depend on its batch)."""
+    def per_head(w: torch.Tensor) -> tuple[PackedLinear, ...]:  # w [heads, k, n]: x @ w[h]
+        return tuple(pack_linear(w_h.t().contiguous(), storage) for w_h in w)
+
+    return MlaWeights(kv_a_norm=m.kv_a_norm.float(), w_uk=per_head(m.w_uk), w_uv=per_head(m.w_uv),
+                      q_a_norm=m.q_a_norm.float() if m.q_a_norm is not None else None,
+                      wq_b=pack_linear(m.wq_b, storage) if m.wq_b is not None else None)
 
 
 def is_packed(expert: ExpertWeights) -> bool:

@@ -7,6 +7,7 @@ bytes; `GB` (1e9 bytes, SI) is the unit of every `*_gb` knob, the KV budget incl
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -50,15 +51,23 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class MlaSpec:
-    """DeepSeek-V2 multi-head latent attention, sized for the performance model only (the engine
-    has no name table for DeepSeek). HF caches the decompressed per-head K (nope + rope parts)
-    and V, so that is what a KV slot holds; the weights are the low-rank projections."""
+    """DeepSeek-V2/V3 multi-head latent attention (model/mla.py). A head's query and key are
+    qk_nope_head_dim dims without position plus qk_rope_head_dim rotated ones; keys and values
+    are up-projected from one kv_lora_rank latent per token, so the KV cache holds that latent
+    (after kv_a_layernorm) and the rope key shared by every head: kv_lora_rank +
+    qk_rope_head_dim values per token and layer. q is low-rank (q_lora_rank) or, without
+    q_lora_rank (V2-Lite), one full projection."""
 
     kv_lora_rank: int
     q_lora_rank: Optional[int]
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer in the latent cache: latent, then rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @lru_cache(maxsize=None)  # the policy search asks ~10^5 times per run
@@ -159,6 +168,9 @@ class ModelSpec:
     expert_activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # RoPE pairs dims (2i, 2i+1) (DeepSeek's rope_interleave, V2's complex rotation) instead of
+    # (i, i + rotary_dim/2).
+    rope_interleave: bool = False
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -208,7 +220,10 @@ class ModelSpec:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head RoPE rotates (the first ones), as transformers rounds it."""
+        """Dims of each head RoPE rotates (the first ones, as transformers rounds it; MLA: its
+        rope part, which model/mla.py hands over alone)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def attention_window(self, layer: int) -> Optional[int]:
@@ -235,6 +250,18 @@ class ModelSpec:
     @property
     def num_windowed_layers(self) -> int:
         return sum(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale. MLA under a scaled RoPE multiplies 1/sqrt(head_dim) by the square
+        of YaRN's mscale at mscale_all_dim, as transformers' DeepSeek attention does (whatever
+        the RoPE type, as long as it is not the default)."""
+        scale = self.head_dim ** -0.5
+        rope = self.rope
+        if self.mla is not None and rope.rope_type != "default" and rope.mscale_all_dim:
+            m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+            scale *= m * m
+        return scale
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -266,7 +293,27 @@ class ModelSpec:
 
     @property
     def qkv_out_features(self) -> int:
+        """Width of the fused projection of the normed input (MLA: q's first projection, the
+        latent and the rope key)."""
+        if self.mla is not None:
+            return (self.mla.q_lora_rank or self.q_size) + self.mla.latent_dim
         return self.q_size + self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """(score, value) dims a query head attends with: head_dim and v_head_dim, or MLA's
+        absorbed form (model/mla.py) over the latent entry, rank + rope and rank."""
+        if self.mla is not None:
+            return self.mla.latent_dim, self.mla.kv_lora_rank
+        return self.head_dim, self.v_head_dim
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) of one token's cache entry per layer; MLA caches one
+        latent "head" whose values are its first kv_lora_rank dims, stored once (value dims 0)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, 0
+        return self.num_kv_heads, self.head_dim, self.v_head_dim
 
     @property
     def attn_params_per_layer(self) -> int:
@@ -276,8 +323,9 @@ class ModelSpec:
             a = self.mla
             q_rank = a.q_lora_rank
             q = h * self.q_size if not q_rank else h * q_rank + q_rank * self.q_size
-            kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * n_q * (a.qk_nope_head_dim + a.v_head_dim)
-            return q + kv + n_q * a.v_head_dim * h
+            kv = h * a.latent_dim + a.kv_lora_rank * n_q * (a.qk_nope_head_dim + a.v_head_dim)
+            norms = a.kv_lora_rank + (q_rank or 0)  # kv_a_layernorm, q_a_layernorm
+            return q + kv + n_q * a.v_head_dim * h + norms
         params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
             params += self.q_size + 2 * self.kv_size
@@ -359,11 +407,13 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype_bytes
+        heads, key, value = self.kv_cache_layout
+        return heads * (key + value) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers (what one slot of the host KV cache holds)."""
+        """K and V (MLA: the latent and rope key) of one token across all layers (what one slot
+        of the host KV cache holds)."""
         return self.num_layers * self.kv_bytes_per_token_layer
 
     @property
@@ -392,8 +442,8 @@ class ModelSpec:
                        name: Optional[str] = None) -> "ModelSpec":
         """Read a Hugging Face config.json (path to the file or its directory, or the parsed dict).
 
-        Reads the engine's architectures (arch.ARCHITECTURES) and, for the performance model
-        only, deepseek_v2; any other raises UnsupportedModelError naming it. A field of the
+        Reads the engine's architectures (arch.ARCHITECTURES); any other raises
+        UnsupportedModelError naming it. A field of the
         engine's architectures that changes the output and is not computed (a sliding window
         shorter than the context, another activation, ...) raises UnhonouredFieldError naming
         it (model/config_audit.py). `dtype`
@@ -480,31 +530,14 @@ def _common(cfg: Mapping[str, Any], dtype: Optional[str], name: Optional[str]) -
     )
 
 
-def _deepseek_v2_spec(cfg: Mapping[str, Any], common: dict[str, Any]) -> ModelSpec:
-    rope, nope = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
-    q_rank = cfg.get("q_lora_rank")
-    mla = MlaSpec(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(q_rank) if q_rank else None,
-                  qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]))
-    # DeepSeek's rule: the first first_k_dense_replace layers are dense, then every moe_layer_freq-th.
-    first_dense = int(cfg.get("first_k_dense_replace", 0))
-    freq = int(cfg.get("moe_layer_freq", 1))
-    dense = tuple(i for i in range(common["num_layers"]) if i < first_dense or i % freq != 0)
-    return ModelSpec(architecture=architecture_name(cfg), **common, num_kv_heads=common["num_heads"],
-                     head_dim=nope + rope, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                     shared_expert_intermediate_size=int(cfg.get("n_shared_experts") or 0) * common["intermediate_size"],
-                     dense_layers=dense, mla=mla)
-
-
 def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
                      name: Optional[str] = None) -> ModelSpec:
     """ModelSpec from a parsed config.json (see ModelSpec.from_hf_config)."""
-    if cfg.get("model_type") == "deepseek_v2":
-        return _deepseek_v2_spec(cfg, _common(cfg, dtype, name))
     arch_name = architecture_name(cfg)
     try:
         arch = architecture(arch_name)
     except UnsupportedArchitectureError as e:
-        raise UnsupportedModelError(f"{e}; the performance model also sizes deepseek_v2") from None
+        raise UnsupportedModelError(str(e)) from None
     refuse_unhonoured_fields(cfg, arch.model_type)
     if arch.default_rope_parameters and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
         # GPT-OSS: a config without RoPE keys gets its config class's YaRN, as transformers'.
@@ -521,11 +554,18 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
     step, mlp_only = own.get("decoder_sparse_step") or 1, tuple(own.get("mlp_only_layers") or ())
     first_dense = int(own.get("first_k_dense_replace") or 0)
     sparse = [is_sparse_layer(i, step, mlp_only, first_dense) for i in range(num_layers)]
+    mla = _mla_spec(own) if arch.mla else None
+    # DeepSeek-V2's "greedy" top-k ignores n_group/topk_group; its group_limited_greedy and
+    # DeepSeek-V3 / GLM-4.5 always limit to the best groups (n_group 1: no limit).
+    grouped = own.get("topk_method") != "greedy"
     return ModelSpec(
         architecture=arch_name,
         **common,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or common["hidden_size"] // heads),
+        # MLA: every head has its own key and value (up-projected from the shared latent); a
+        # saved config's head_dim is transformers' rope dim, not a head's width.
+        num_kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
+        head_dim=(mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla
+                  else int(cfg.get("head_dim") or common["hidden_size"] // heads)),
         # At least max_position_embeddings when set (shorter windows are refused above).
         sliding_window=sliding_window(cfg, arch.model_type)[1],
         # Qwen2-MoE switches q/k/v biases with qkv_bias; Qwen3 and OLMoE switch q/k/v/o biases
@@ -543,8 +583,8 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         router_scoring=arch.router_scoring,
         router_logits_fp32=arch.router_logits_fp32,
         router_score_correction=bool(own.get("e_score_correction_bias", False)),
-        router_groups=int(own.get("n_group") or 1),
-        router_topk_groups=int(own.get("topk_group") or 1),
+        router_groups=int(own.get("n_group") or 1) if grouped else 1,
+        router_topk_groups=int(own.get("topk_group") or 1) if grouped else 1,
         router_group_score=str(own.get("group_score", "top2_sum")),
         routed_scaling_factor=float(own.get("routed_scaling_factor", 1.0)),
         attention_sinks=arch.attention_sinks,
@@ -554,7 +594,17 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         expert_activation=arch.expert_activation,
         swiglu_alpha=float(own.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(own.get("swiglu_limit", 7.0)),
+        mla=mla,
+        rope_interleave=bool(own.get("rope_interleave", False)),
     )
+
+
+def _mla_spec(own: Mapping[str, Any]) -> MlaSpec:
+    q_rank = own.get("q_lora_rank")
+    return MlaSpec(kv_lora_rank=int(own["kv_lora_rank"]),
+                   q_lora_rank=int(q_rank) if q_rank else None,
+                   qk_nope_head_dim=int(own["qk_nope_head_dim"]),
+                   qk_rope_head_dim=int(own["qk_rope_head_dim"]), v_head_dim=int(own["v_head_dim"]))
 
 
 def _partial_rotary_factor(cfg: Mapping[str, Any], own: Mapping[str, Any]) -> float:
@@ -572,7 +622,6 @@ def load_spec(model_dir: str | Path, dtype: Optional[str] = None) -> ModelSpec:
     Raises UnsupportedArchitectureError, naming the architecture, for one without a name table.
     """
     cfg = read_config(model_dir)
-    # Before parsing: the performance model sizes more models than the engine runs, and the
-    # error should name the architecture, not a key the engine would never read.
+    # Before parsing: the error should name the architecture, not a key the engine never reads.
     architecture(architecture_name(cfg))
     return ModelSpec.from_hf_config(cfg, dtype=dtype, name=_config_path(model_dir).parent.name)

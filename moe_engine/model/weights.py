@@ -54,6 +54,56 @@ class ExpertWeights:
         return sum(t.nbytes for t in self.tensors())
 
 
+def _field_tensors(obj) -> Iterator[torch.Tensor]:
+    """Every tensor of a weights dataclass, nested parts (an MLP, a packed projection)
+    included."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, tuple):  # one packed projection per head
+            for part in value:
+                yield from part.tensors()
+        elif value is not None:
+            yield from value.tensors()
+
+
+def _map_fields(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """A copy of a weights dataclass with `fn` applied to every tensor, nested parts included."""
+    changes = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = fn(value)
+        elif isinstance(value, tuple):
+            changes[f.name] = tuple(part.map(fn) for part in value)
+        elif value is not None:
+            changes[f.name] = value.map(fn)
+    return replace(obj, **changes)
+
+
+@dataclass
+class MlaWeights:
+    """The parts of multi-head latent attention besides the fused first projection (wqkv:
+    q_a_proj or q_proj, then kv_a_proj_with_mqa) and o_proj (wo). kv_b_proj is held split per
+    head for the absorbed form (model/mla.py): w_uk [heads, nope, rank] maps a query's nope
+    part into the latent space, w_uv [heads, rank, v] the attended latent to a head's value
+    (x @ w[h] for head h); on the packed CPU kernels each is a tuple of one PackedLinear per
+    head, so that a row's result does not depend on its batch."""
+
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    w_uk: torch.Tensor | tuple
+    w_uv: torch.Tensor | tuple
+    q_a_norm: Optional[torch.Tensor] = None  # [q_lora_rank]; None: q is one full projection
+    wq_b: Optional[torch.Tensor] = None  # [heads * (nope + rope), q_lora_rank], or PackedLinear
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        return _field_tensors(self)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MlaWeights":
+        return _map_fields(self, fn)
+
+
 @dataclass
 class DenseLayerWeights:
     """The non-expert part of a decoder layer; the optional parts exist where the
@@ -61,8 +111,8 @@ class DenseLayerWeights:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    wqkv: torch.Tensor  # [q_size + 2*kv_size, H]
-    wo: torch.Tensor  # [H, q_size]
+    wqkv: torch.Tensor  # [q_size + 2*kv_size, H]; MLA: [spec.qkv_out_features, H]
+    wo: torch.Tensor  # [H, q_size]; MLA: [H, heads * v_head_dim]
     router: Optional[torch.Tensor] = None  # [E, H]; None in a dense layer
     # On the packed CPU kernels wqkv, wo, router and shared_expert_gate are PackedLinear.
     bqkv: Optional[torch.Tensor] = None  # [q_size + 2*kv_size]
@@ -76,6 +126,7 @@ class DenseLayerWeights:
     score_correction_bias: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None  # [n_q] attention-sink logits (GPT-OSS)
     router_bias: Optional[torch.Tensor] = None  # [E] (GPT-OSS)
+    mla: Optional[MlaWeights] = None  # DeepSeek's latent attention (wqkv is its first GEMM)
 
     @property
     def holds_ffn(self) -> bool:
@@ -83,23 +134,11 @@ class DenseLayerWeights:
         return self.mlp is not None or self.shared_expert is not None
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif value is not None:  # ExpertWeights or a packed projection
-                yield from value.tensors()
+        return _field_tensors(self)
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "DenseLayerWeights":
         """A copy with `fn` applied to every tensor (e.g. moved to the device)."""
-        changes = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                changes[f.name] = fn(value)
-            elif value is not None:
-                changes[f.name] = value.map(fn)
-        return replace(self, **changes)
+        return _map_fields(self, fn)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())

@@ -144,7 +144,8 @@ def build_offload_pipeline(runner: ModelRunner, settings: OffloadSettings,
     try:
         pager = WeightPager(runner.weights, backend, routing, resident_ratio,
                             packet_bytes=settings.packet_bytes,
-                            budget_bytes=settings.device_memory_bytes, disk=disk)
+                            budget_bytes=settings.device_memory_bytes, disk=disk,
+                            host_copies_of_resident=not settings.ffn_on_device)
     except BaseException:  # its threads and files must not outlive a failed construction
         if disk is not None:
             disk.close()
@@ -218,7 +219,8 @@ def _place_runner_state(runner: ModelRunner, backend, pager: WeightPager,
                          "RoPE tables and KV cache" if attention_on_device else "RoPE tables")
     runner.place(backend.to_device, kv_cache=attention_on_device)
     if attention_on_device:
-        runner.attention = DecodeAttention("torch", runner.attention.num_threads)
+        runner.attention = DecodeAttention("torch", runner.attention.num_threads,
+                                           latent_value_dim=runner.attention.latent_value_dim)
 
 
 def _without_cpu_experts(latency: ExpertLatencyProfile) -> ExpertLatencyProfile:

@@ -96,7 +96,11 @@ class WeightPager:
 
     def __init__(self, weights: ModelWeights, backend: Backend, profile: RoutingProfile,
                  resident_ratio: float, packet_bytes: int = 32 << 20,
-                 budget_bytes: Optional[int] = None, disk: Optional[DiskTier] = None):
+                 budget_bytes: Optional[int] = None, disk: Optional[DiskTier] = None,
+                 host_copies_of_resident: bool = True):
+        """`host_copies_of_resident=False` frees the host copy of each expert placed on a device
+        apart from the host: only the device runs it then (engine.ffn_on_device), and the
+        performance model counts host memory for the experts not resident on the device."""
         if not 0.0 <= resident_ratio <= 1.0:
             raise ValueError(f"resident_ratio must be in [0, 1], got {resident_ratio}")
         if packet_bytes < 1:
@@ -144,7 +148,8 @@ class WeightPager:
         self.ledger = DeviceLedger(budget_bytes)
         self._check_budget(weights, slot_experts)
         self.device_weights = self._place_resident(weights)
-        self.host_experts = self._pack_host_store(weights)
+        self.host_experts = self._pack_host_store(
+            weights, drop_resident=not host_copies_of_resident and not backend.device_is_host)
         self.ledger.reserve(2 * slot_experts * self.expert_bytes, "page ring")
         self._slots = [_Slot(backend.empty(slot_experts * self.expert_bytes, torch.uint8))
                        for _ in range(2)] if slot_experts else []
@@ -195,10 +200,11 @@ class WeightPager:
         return ModelWeights(embed=embed, final_norm=self._to_device(weights.final_norm, "norm"),
                             lm_head=lm_head, layers=layers)
 
-    def _pack_host_store(self, weights: ModelWeights) -> list[list[Optional[ExpertWeights]]]:
-        """Every expert's host weights (None for disk experts); streamed ones in host memory
-        repacked contiguously per layer, hottest first, so a layer's transfer is one
-        contiguous range cut into packets."""
+    def _pack_host_store(self, weights: ModelWeights,
+                         drop_resident: bool) -> list[list[Optional[ExpertWeights]]]:
+        """Every expert's host weights (None for disk experts, and for device-resident ones
+        when `drop_resident`); streamed ones in host memory repacked contiguously per layer,
+        hottest first, so a layer's transfer is one contiguous range cut into packets."""
         self._host_flat: list[torch.Tensor] = []
         self._host_pos: list[dict[int, int]] = []
         host = []
@@ -215,6 +221,9 @@ class WeightPager:
                 experts[e] = self._view(flat, p)
                 # The model's own copy is dropped so host memory holds one copy of each expert.
                 layer.experts[e] = experts[e]
+            if drop_resident:
+                for e in self.resident[i]:
+                    experts[e] = layer.experts[e] = None
             host.append(experts)
         return host
 
@@ -235,8 +244,9 @@ class WeightPager:
         """The expert's weights in host memory (for CPU compute); not for disk experts."""
         x = self.host_experts[layer][expert]
         if x is None:
-            raise ValueError(f"layer {layer} expert {expert} is on disk: it is computed where "
-                             f"it is read to (wait), never from the host store")
+            where = "on the device only" if expert in self.resident[layer] else "on disk"
+            raise ValueError(f"layer {layer} expert {expert} is {where}: it is computed where "
+                             f"it is, never from the host store")
         return x
 
     def is_on_disk(self, layer: int, expert: int) -> bool:

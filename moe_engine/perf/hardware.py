@@ -157,6 +157,10 @@ def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
     if m.num_dense_layers and m.dense_intermediate_size:
         d = m.dense_intermediate_size
         shapes += [(m.hidden_size, 2 * d), (d, m.hidden_size)]
+    if m.mla is not None:  # q_b_proj and the per-head latent maps (W_UK, W_UV)
+        a = m.mla
+        shapes += [(a.q_lora_rank, m.q_size)] if a.q_lora_rank else []
+        shapes += [(a.qk_nope_head_dim, a.kv_lora_rank), (a.kv_lora_rank, a.v_head_dim)]
     return list(dict.fromkeys(shapes))
 
 

@@ -60,6 +60,18 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "vocab_size": 102400, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
+    # DeepSeek-V3 (deepseek-ai's config.json; its one multi-token-prediction layer is left
+    # out, as the published 671B total / 37B activated leave it out).
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        "rope_theta": 10000, "vocab_size": 129280, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
     # GLM-4.5 and GLM-4.5-Air (zai-org's config.json). Both checkpoints also hold one
     # multi-token-prediction layer (num_nextn_predict_layers: 1) that generation does not run;
     # it is not a decoder layer here, and the published 355B/32B and 106B/12B leave it out too.

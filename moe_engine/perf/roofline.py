@@ -145,14 +145,29 @@ PREFILL_OPS_PER_SEQ = 6  # slice q/k/v, transposes, causal SDPA, store: one loop
 
 
 def pre_attention_time(m: ModelSpec, proc: Processor, mu: float) -> float:
-    """RMSNorm + fused QKV projection (+ RoPE) for a micro-batch of `mu` decode tokens."""
-    return proc.gemm(mu, m.hidden_size, m.qkv_out_features, m.dtype_bytes) + _PRE_ATTN_OPS * proc.op_overhead_s
+    """RMSNorm + fused QKV projection (+ RoPE) for a micro-batch of `mu` decode tokens; MLA adds
+    q_b_proj and each head's map of its query into the latent space."""
+    t = proc.gemm(mu, m.hidden_size, m.qkv_out_features, m.dtype_bytes)
+    if m.mla is not None:
+        a = m.mla
+        if a.q_lora_rank:
+            t += proc.gemm(mu, a.q_lora_rank, m.q_size, m.dtype_bytes)
+        t += _per_head_time(m, proc, mu, a.qk_nope_head_dim, a.kv_lora_rank)
+    return t + _PRE_ATTN_OPS * proc.op_overhead_s
+
+
+def _per_head_time(m: ModelSpec, proc: Processor, mu: float, inp: int, out: int) -> float:
+    """One GEMM launch per head (MLA's latent maps run so on the packed kernels)."""
+    return m.num_heads * (proc.gemm(mu, inp, out, m.dtype_bytes) + proc.op_overhead_s)
 
 
 def o_proj_router_time(m: ModelSpec, proc: Processor, mu: float) -> float:
     """Output projection and router (Lightning's model leaves both out; they are ~3% of Mixtral's
-    weights but a whole GEMM launch each per micro-batch)."""
+    weights but a whole GEMM launch each per micro-batch); MLA first maps each head's attended
+    latent to its value."""
     t = proc.gemm(mu, m.num_heads * m.v_head_dim, m.hidden_size, m.dtype_bytes)
+    if m.mla is not None:
+        t += _per_head_time(m, proc, mu, m.mla.kv_lora_rank, m.mla.v_head_dim)
     t += proc.gemm(mu, m.hidden_size, m.num_experts, m.dtype_bytes)
     return t + _POST_ATTN_OPS * proc.op_overhead_s
 
@@ -182,8 +197,9 @@ def dense_mlp_time(m: ModelSpec, proc: Processor, mu: float) -> float:
 def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:
     """Decode attention of `mu` queries over `ctx` cached tokens each (one layer): QK^T and PV are
     2*d FLOPs per (query head, cached token) each; every cached K/V byte is read once per step
-    because all query heads of a GQA group share one pass over the cache."""
-    flops = 2.0 * mu * ctx * m.num_heads * (m.head_dim + m.v_head_dim)
+    because all query heads of a GQA group share one pass over the cache (MLA: every head over
+    the one latent entry, with its score and value widths)."""
+    flops = 2.0 * mu * ctx * m.num_heads * sum(m.attention_widths)
     return OpCost(flops, mu * ctx * m.kv_bytes_per_token_layer)
 
 
@@ -203,4 +219,4 @@ def device_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float,
 
 def prefill_attention_flops(m: ModelSpec, prompt_len_sq_mean: float) -> float:
     """Causal self-attention over a prompt of length p: ~p^2/2 (query, key) pairs per head."""
-    return 2.0 * (prompt_len_sq_mean / 2.0) * m.num_heads * (m.head_dim + m.v_head_dim)
+    return 2.0 * (prompt_len_sq_mean / 2.0) * m.num_heads * sum(m.attention_widths)

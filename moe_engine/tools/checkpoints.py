@@ -40,8 +40,27 @@ def _swiglu_shapes(prefix: str, names: tuple[str, str, str], h: int, width: int
             (f"{prefix}.{up}.weight", (width, h), "linear")]
 
 
+def _mla_shapes(p: MoePreset, pre: str) -> list[tuple[str, tuple[int, ...], str]]:
+    h, heads, attn = p.hidden_size, p.num_attention_heads, f"{pre}.self_attn"
+    q = heads * (p.qk_nope_head_dim + p.qk_rope_head_dim)
+    if p.q_lora_rank:
+        shapes = [(f"{attn}.q_a_proj.weight", (p.q_lora_rank, h), "linear"),
+                  (f"{attn}.q_a_layernorm.weight", (p.q_lora_rank,), "norm"),
+                  (f"{attn}.q_b_proj.weight", (q, p.q_lora_rank), "linear")]
+    else:
+        shapes = [(f"{attn}.q_proj.weight", (q, h), "linear")]
+    rank = p.kv_lora_rank
+    return shapes + [
+        (f"{attn}.kv_a_proj_with_mqa.weight", (rank + p.qk_rope_head_dim, h), "linear"),
+        (f"{attn}.kv_a_layernorm.weight", (rank,), "norm"),
+        (f"{attn}.kv_b_proj.weight", (heads * (p.qk_nope_head_dim + p.v_head_dim), rank), "linear"),
+        (f"{attn}.o_proj.weight", (h, heads * p.v_head_dim), "residual")]
+
+
 def _attention_shapes(p: MoePreset, pre: str) -> list[tuple[str, tuple[int, ...], str]]:
     h, d, fam = p.hidden_size, p.head_dim, p.family
+    if fam.mla:
+        return _mla_shapes(p, pre)
     q, kv = p.num_attention_heads * d, p.num_key_value_heads * d
     shapes = []
     for proj, (out, inp), kind in (("q", (q, h), "linear"), ("k", (kv, h), "linear"),

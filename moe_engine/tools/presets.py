@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional
 
 from moe_engine.model.spec import is_sparse_layer
@@ -58,6 +58,12 @@ class MoePreset:
     sliding_layers: Optional[tuple[int, ...]] = None
     swiglu_limit: float = 7.0
     rope_scaling: Optional[tuple[tuple[str, Any], ...]] = None
+    # DeepSeek's multi-head latent attention (families with mla=True).
+    kv_lora_rank: int = 0
+    q_lora_rank: Optional[int] = None  # None: one full q projection (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -79,8 +85,8 @@ class Family:
     router and experts, expert projection names (gate, down, up), the config key switching the
     attention biases and the projections it covers, the q/k norm ("head": one per head,
     "projection": over the whole projection) and the architecture's own config keys; the
-    shared expert's module name and whether it has a sigmoid gate, and whether the router has
-    an e_score_correction_bias."""
+    shared expert's module name and whether it has a sigmoid gate, whether the router has
+    an e_score_correction_bias, and whether attention is DeepSeek's latent attention."""
 
     model_type: str
     moe_block: str
@@ -97,6 +103,7 @@ class Family:
     fused_experts: bool = False
     router_name: str = "gate"
     sinks: bool = False
+    mla: bool = False
 
 
 def _mixtral_keys(p: MoePreset) -> dict[str, Any]:
@@ -122,17 +129,23 @@ def _olmoe_keys(p: MoePreset) -> dict[str, Any]:
             "router_aux_loss_coef": 0.01}
 
 
-def _glm4_moe_keys(p: MoePreset) -> dict[str, Any]:
+def _deepseek_style_keys(p: MoePreset) -> dict[str, Any]:
+    """The MoE keys GLM-4.5 shares with DeepSeek: dense first layers, n_shared_experts
+    expert-wide shared experts, grouped routing, a routed scaling factor."""
     if p.shared_expert_intermediate_size % p.intermediate_size:
-        raise ValueError("GLM-4.5's shared experts are a whole number of routed experts wide")
-    # num_nextn_predict_layers 0: the built checkpoint has no multi-token-prediction layer
-    # (the hub's have one, which generation does not run).
+        raise ValueError("shared experts are a whole number of routed experts wide")
     return {"intermediate_size": p.dense_intermediate_size,
             "moe_intermediate_size": p.intermediate_size, "n_routed_experts": p.num_experts,
             "n_shared_experts": p.shared_expert_intermediate_size // p.intermediate_size,
             "first_k_dense_replace": p.first_k_dense_replace, "n_group": p.n_group,
             "topk_group": p.topk_group, "routed_scaling_factor": p.routed_scaling_factor,
-            "norm_topk_prob": p.norm_topk_prob, "use_qk_norm": p.qk_norm,
+            "norm_topk_prob": p.norm_topk_prob}
+
+
+def _glm4_moe_keys(p: MoePreset) -> dict[str, Any]:
+    # num_nextn_predict_layers 0: the built checkpoint has no multi-token-prediction layer
+    # (the hub's have one, which generation does not run).
+    return {**_deepseek_style_keys(p), "use_qk_norm": p.qk_norm,
             "partial_rotary_factor": p.partial_rotary_factor, "num_nextn_predict_layers": 0}
 
 
@@ -147,6 +160,23 @@ def _gpt_oss_keys(p: MoePreset) -> dict[str, Any]:
     if p.rope_scaling:
         keys["rope_scaling"] = dict(p.rope_scaling)
     return keys
+
+
+def _mla_keys(p: MoePreset) -> dict[str, Any]:
+    return {**_deepseek_style_keys(p), "kv_lora_rank": p.kv_lora_rank,
+            "q_lora_rank": p.q_lora_rank, "qk_nope_head_dim": p.qk_nope_head_dim,
+            "qk_rope_head_dim": p.qk_rope_head_dim, "v_head_dim": p.v_head_dim}
+
+
+def _deepseek_v3_keys(p: MoePreset) -> dict[str, Any]:
+    # topk_method and scoring_func as the hub's config has them (transformers reads neither).
+    return {**_mla_keys(p), "rope_interleave": True, "num_nextn_predict_layers": 0,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def _deepseek_v2_keys(p: MoePreset) -> dict[str, Any]:
+    method = "group_limited_greedy" if p.n_group > 1 else "greedy"
+    return {**_mla_keys(p), "topk_method": method, "scoring_func": "softmax"}
 
 
 LLAMA_MLP = ("gate_proj", "down_proj", "up_proj")
@@ -172,7 +202,28 @@ FAMILIES: dict[str, Family] = {
         model_type="gpt_oss", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="qkvo", qk_norm=None, config_keys=_gpt_oss_keys,
         fused_experts=True, router_name="router", sinks=True),
+    "DeepseekV3ForCausalLM": Family(
+        model_type="deepseek_v3", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="", qk_norm=None, config_keys=_deepseek_v3_keys,
+        shared_block="shared_experts", shared_gate=False, score_correction=True, mla=True),
+    "DeepseekV2ForCausalLM": Family(
+        model_type="deepseek_v2", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="", qk_norm=None, config_keys=_deepseek_v2_keys,
+        shared_block="shared_experts", shared_gate=False, mla=True),
 }
+
+# DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and a
+# 24-dim latent plus 8-dim rope key cached per token (32: a multiple of every ISA's vector
+# width, so decode runs on the Cython kernel), interleaved RoPE; a dense first layer, a
+# sigmoid router with a score-correction bias choosing top-2 of 8 experts in the best of 2
+# groups, renormalised and scaled by 2.5, one shared expert. ~4 MB.
+_TINY_DEEPSEEK_V3 = MoePreset(
+    "DeepseekV3ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+    vocab_size=8192, tokenizer_vocab_size=8192, rms_norm_eps=1e-6, norm_topk_prob=True,
+    shared_expert_intermediate_size=32, dense_intermediate_size=176, first_k_dense_replace=1,
+    n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=48,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
 PRESETS: dict[str, MoePreset] = {
     # CI-sized: every code path of a real Mixtral (GQA 2:1, 8 experts top-2), ~14 MB in fp32.
@@ -231,6 +282,14 @@ PRESETS: dict[str, MoePreset] = {
         rope_scaling=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
                       ("beta_slow", 1.0), ("truncate", False),
                       ("original_max_position_embeddings", 128))),
+    "tiny-deepseek-v3": _TINY_DEEPSEEK_V3,
+    # DeepSeek-V2's features on the same shapes: latent attention with one full q projection
+    # (V2-Lite's), RoPE rotated as complex pairs, a softmax router limited to the best group by
+    # its best score (group_limited_greedy), unnormalised top-2 weights scaled by 2.0, no
+    # score-correction bias. ~4 MB.
+    "tiny-deepseek-v2": replace(_TINY_DEEPSEEK_V3, architecture="DeepseekV2ForCausalLM",
+                                q_lora_rank=None, norm_topk_prob=False,
+                                routed_scaling_factor=2.0),
 }
 
 
@@ -263,6 +322,8 @@ def hf_config(preset: MoePreset) -> dict:
     }
     if family.bias_key is not None:
         config[family.bias_key] = preset.attention_bias
+    if family.mla:
+        del config["head_dim"]  # the hub's MLA configs have none (heads are nope + rope wide)
     return config
 
 

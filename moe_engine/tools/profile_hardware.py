@@ -252,17 +252,21 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     seqs = max(8, math.ceil(target / per_seq))
     blocks_per_seq = ctx // block
     nblocks = seqs * blocks_per_seq
-    d_k = m.head_dim if m.head_dim == m.v_head_dim else max(m.head_dim, m.v_head_dim)
-    key = torch.empty(nblocks, m.num_kv_heads, block, d_k, dtype=dt).uniform_(-1, 1)
-    value = torch.empty(nblocks, m.num_kv_heads, block, d_k, dtype=dt).uniform_(-1, 1)
+    heads, d_k, d_v = m.kv_cache_layout
+    # MLA's latent cache: one entry whose first kv_lora_rank dims are the values.
+    latent = m.mla.kv_lora_rank if m.mla is not None else None
+    d_k = max(d_k, d_v)
+    key = torch.empty(nblocks, heads, block, d_k, dtype=dt).uniform_(-1, 1)
+    value = (torch.empty(nblocks, heads, block, d_k, dtype=dt).uniform_(-1, 1)
+             if latent is None else None)
     q = torch.randn(seqs, m.num_heads, d_k, dtype=dt)
     tables = torch.arange(nblocks, dtype=torch.int32).view(seqs, blocks_per_seq)
     lens = torch.full((seqs,), ctx, dtype=torch.int32)
     # the path the engine takes for this head_dim (the torch reference where the kernel cannot)
-    attention = DecodeAttention("auto", head_dim=d_k)
+    attention = DecodeAttention("auto", head_dim=d_k, latent_value_dim=latent)
     sec = _median_time(lambda: attention(q, key, value, tables, lens, d_k ** -0.5),
                        0.02 if fast else 0.05, 3 if fast else 5)
-    kv = 2.0 * seqs * ctx * m.num_kv_heads * d_k * m.dtype_bytes
+    kv = key.nbytes + (value.nbytes if value is not None else 0)
     return kv / sec, attention.describe()
 
 
