@@ -61,9 +61,12 @@ def model_dirs(builtin_dir, tmp_path_factory):
 
 def _tokens(model_dir, config: EngineConfig, dtype: str = "float32") -> dict[str, list[int]]:
     with LLMEngine(model_dir, config, dtype=dtype) as engine:
-        return {r.request_id: r.token_ids for r in engine.generate(
+        results = list(engine.generate(
             [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=8))
-             for i, p in enumerate(PROMPTS)])}
+             for i, p in enumerate(PROMPTS)]))
+    # Rows that failed have no tokens: two failing runs must not compare equal.
+    assert all(r.status == "ok" for r in results), [(r.status, r.error) for r in results]
+    return {r.request_id: r.token_ids for r in results}
 
 
 # ---------------------------------------------------------------- reads
@@ -426,9 +429,11 @@ def _disk_pipeline_tokens(model_dir, backend, monkeypatch, slots: int, **setting
         engine.runner, OffloadSettings(host_resident_ratio=ratio, **settings),
         routing=find_profile(model_dir), backend=backend, experts=source)
     try:
-        return {r.request_id: r.token_ids for r in engine.generate(
+        results = list(engine.generate(
             [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=8))
-             for i, p in enumerate(PROMPTS)])}
+             for i, p in enumerate(PROMPTS)]))
+        assert all(r.status == "ok" for r in results), [(r.status, r.error) for r in results]
+        return {r.request_id: r.token_ids for r in results}
     finally:
         engine.runner.close()
         engine.runner.pager.disk.close()

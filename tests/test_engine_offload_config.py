@@ -21,7 +21,9 @@ PROMPTS = ["Explain how a mixture of experts layer routes tokens.", "hi",
 def _tokens(engine) -> dict[str, list[int]]:
     requests = [Request(f"r{i}", prompt=p, sampling=SamplingParams(max_new_tokens=8))
                 for i, p in enumerate(PROMPTS)]
-    return {r.request_id: r.token_ids for r in engine.generate(requests)}
+    results = list(engine.generate(requests))
+    assert all(r.status == "ok" for r in results), [(r.status, r.error) for r in results]
+    return {r.request_id: r.token_ids for r in results}
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,10 @@ class ModelRunner:
         self.dtype = dtype
         self.rope = RotaryTable(spec, max_positions, dtype)
         self.scale = spec.attention_scale
+        # Attention's own parameters (GPT-OSS's sinks) live where attention runs, next to the KV
+        # cache: the offload pipeline moves the dense weights to the device but may attend on
+        # the host, and a per-step device->host copy would stall the copy of every layer.
+        self.sinks = [layer.dense.sinks for layer in weights.layers]
         self.times = PhaseTimes()
         self.routing_observer: Optional[RoutingObserver] = None
 
@@ -126,7 +130,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         kc = self.cache.key[layer]
         vc = self.cache.value[layer] if self.cache.value else None  # None: a latent cache
-        sinks = self.weights.layers[layer].dense.sinks
+        sinks = self.sinks[layer]
         window = self.spec.attention_window(layer)
         slots, tables = mb.slot_mapping, mb.block_tables
         if window is not None and mb.window_slot_mapping is not None:
@@ -195,18 +199,21 @@ class ModelRunner:
         return logits
 
     def state_nbytes(self, kv_cache: bool) -> int:
-        """Bytes of the RoPE tables, plus the KV cache when `kv_cache` (what `place` moves)."""
+        """Bytes of the RoPE tables, plus the KV cache and the attention sinks when `kv_cache`
+        (what `place` moves)."""
         nbytes = self.rope.cos.nbytes + self.rope.sin.nbytes
         if kv_cache:
             nbytes += sum(t.nbytes for t in self.cache.key + self.cache.value)
+            nbytes += sum(t.nbytes for t in self.sinks if t is not None)
         return nbytes
 
     def place(self, move: Callable[[torch.Tensor], torch.Tensor], kv_cache: bool) -> None:
-        """Put the RoPE tables, and the KV cache when `kv_cache`, where `move` puts a tensor
-        (a backend's to_device; the weights move with the pager)."""
+        """Put the RoPE tables, and the KV cache with the attention sinks when `kv_cache`, where
+        `move` puts a tensor (a backend's to_device; the weights move with the pager)."""
         rope = self.rope
         rope.cos, rope.sin = move(rope.cos), move(rope.sin)
         if kv_cache:
+            self.sinks = [None if t is None else move(t) for t in self.sinks]
             cache = self.cache
             self.cache = KVCache(key=[move(t) for t in cache.key],
                                  value=[move(t) for t in cache.value],
