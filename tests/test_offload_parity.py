@@ -162,7 +162,7 @@ def three_layer_reference(tiny_three_layer_dir):
 
 @pytest.mark.parametrize("fail_at", [2, 5])  # the 2nd and 5th attention call of the run
 def test_a_failed_step_leaves_the_pipeline_usable(tiny_three_layer_dir, three_layer_reference,
-                                                  fail_at):
+                                                  fail_at, caplog):
     expected = three_layer_reference
     engine = _offloaded(tiny_three_layer_dir,
                         OffloadSettings(resident_ratio=0.0, cpu_experts=False))
@@ -177,8 +177,11 @@ def test_a_failed_step_leaves_the_pipeline_usable(tiny_three_layer_dir, three_la
         return attend(layer, mb, act)
 
     runner.attend = flaky
-    failed = list(engine.generate(_requests()))
+    with caplog.at_level("WARNING", logger="moe_engine.engine.llm_engine"):
+        failed = list(engine.generate(_requests()))
     assert any(r.status == "error" and "injected" in r.error for r in failed)
+    # The log keeps the traceback the rows' one-line error leaves out.
+    assert any(rec.exc_info and "injected" in str(rec.exc_info[1]) for rec in caplog.records)
     runner.attend = attend
     assert _tokens(engine) == expected
     engine.runner.close()

@@ -6,6 +6,7 @@ sequences immediately so their KV blocks serve the next admissions.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import replace
@@ -36,6 +37,7 @@ from moe_engine.offload.routing import find_profile
 from moe_engine.offload.pipeline import OffloadPipeline, OffloadStats
 from moe_engine.offload.trace import Trace
 
+log = logging.getLogger(__name__)
 
 LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
 
@@ -285,6 +287,10 @@ class LLMEngine:
             # checkpointed rows, instead of every later row failing on the same file.
             raise
         except Exception as exc:  # fail the step's sequences, keep the engine serving
+            # The rows carry the message; the log keeps the traceback (an engine bug fails every
+            # row the same way, and only the traceback says where).
+            log.warning("a step failed; its %d sequences end with status error", len(seqs),
+                        exc_info=True)
             for seq in seqs:
                 self.scheduler.finish(seq)
                 self.stats.errors += 1
