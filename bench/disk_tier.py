@@ -9,15 +9,17 @@ with r_host (experts per layer in host memory) in {1, 0.5, 0.25, 0}, interleaved
              C + D - S with C = S - W this run's compute (serial execution hides nothing,
              perfect overlap min(C, D)); overlap = hidden / min(C, D);
   predicted  the performance model's tok/s for the same policy and workload, on this machine's
-             cached hardware profile with its disk rate replaced by the one measured in this run
-             (below): this VM's virtual disk reads a file at 1.0-2.2 GB/s depending on what the
-             host caches, so a rate measured earlier on another file says little;
+             cached hardware profile, whose disk rate is the median of the rates the tier's
+             reader achieved in earlier generate jobs (each records it, stages/generate.py;
+             here at least the warm-up run, recorded before the timed runs);
   bound      tokens / max(C1, bytes read / the disk rate), C1 the r_host=1 run's wall time
              (compute with every expert in memory): the slower resource alone.
-The disk rate is measured in the same run: the whole expert file read with the tier's own reader
-(O_DIRECT, 16 MiB reads) right before each run that reads the disk, median over that r_host's
-rounds (it moves between 1.0 and 2.2 GB/s from one minute to the next on this VM). The prediction at the rate the runs' reader achieved is
-printed too, as a diagnostic (it is partly measured, so it is not the RESULT).
+The disk rate of the bound is measured in the same run: the whole expert file read with the
+tier's own reader (O_DIRECT, 16 MiB reads) right before each run that reads the disk, median over
+that r_host's rounds (it moves between 1.0 and 2.2 GB/s from one minute to the next on this VM).
+The prediction at that back-to-back rate is printed too: on this VM such a sweep reads slower
+(1.1-1.7 GB/s) than the same reads spread through a run (1.9-2.1 GB/s), which is why the model
+plans with the learnt rate.
 Then a fresh process runs under engine.host_memory_gb=0.3 and reports its peak RSS growth over
 its runtime (interpreter, torch, tokenizer) against host_memory_gb + kv_cache_gb.
 A timeline of disk reads against compute (two decode steps of the last r_host=0 run) goes to
@@ -81,8 +83,9 @@ def run(path: Path, config: EngineConfig, reqs, trace: Trace | None = None) -> d
 
 
 def predicted_tok_s(path: Path, config: EngineConfig, reqs, r_host: float,
-                    disk_gbps: float) -> tuple[float, float]:
-    """(the model's tok/s for this run's policy at `disk_gbps`, the profile's disk GB/s)."""
+                    disk_gbps: float | None = None) -> tuple[float, float]:
+    """(the model's tok/s for this run's policy at `disk_gbps`, default the profile's own
+    rate (the learnt one when generate jobs recorded any), the profile's disk GB/s)."""
     from moe_engine.io import hardware_cache_dir
     from moe_engine.perf import ModelSpec, Policy, predict, workload_spec_from_lengths
     from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
@@ -93,7 +96,7 @@ def predicted_tok_s(path: Path, config: EngineConfig, reqs, r_host: float,
     import dataclasses
 
     profiled = spec_from_figures(profile)
-    hw = dataclasses.replace(profiled, disk_bw=disk_gbps * 1e9)
+    hw = profiled if disk_gbps is None else dataclasses.replace(profiled, disk_bw=disk_gbps * 1e9)
     wl = workload_spec_from_lengths([len(r.prompt_token_ids) for r in reqs],
                                     reqs[0].sampling.max_new_tokens)
     n = config.max_num_seqs
@@ -163,8 +166,20 @@ def main() -> None:
     def config(r: float) -> EngineConfig:
         return base if r >= 1.0 else EngineConfig(**{**base.__dict__, "host_resident_ratio": r})
 
-    # Warm-up: builds the expert file and the routing profile once, outside the timed runs.
-    run(path, config(0.0), reqs[:2])
+    # Warm-up: builds the expert file and the routing profile once, outside the timed runs,
+    # and records the rate its reader achieved in the machine profile, as every generate job
+    # does (stages/generate.py): the model's disk rate is the median of those learnt rates.
+    from moe_engine.io import hardware_cache_dir
+    from moe_engine.perf.hardware import cached_profile_path
+    from moe_engine.tools.profile_hardware import learn_disk_rate
+
+    warm = run(path, config(0.0), reqs[:2])
+    if not cuda:
+        predicted_tok_s(path, config(0.0), reqs[:2], 0.0)  # the profile exists from here on
+        learnt = learn_disk_rate(cached_profile_path(hardware_cache_dir()),
+                                 dict(disk_bytes_read=warm["disk_bytes"],
+                                      disk_busy_time_s=warm["disk_busy"]))
+        print(f"warm-up run: its reader achieved {learnt} GB/s, recorded in the machine profile")
     runs: dict[float, list[dict]] = {r: [] for r in RATIOS}
     # The disk rate of a run is measured right before it: this VM's disk moves between 1.0 and
     # 2.2 GB/s from one minute to the next, so a rate taken a round earlier says little.
@@ -192,13 +207,16 @@ def main() -> None:
         nbytes = statistics.median(x["disk_bytes"] for x in runs[r])
         rate = statistics.median(rates[r]) if r in rates else disk_gbps
         pred, profiled_gbps = ((float("nan"), float("nan")) if cuda else
-                               predicted_tok_s(path, config(r), reqs, r, rate))
+                               predicted_tok_s(path, config(r), reqs, r))
+        pred_sweep = (float("nan") if cuda or r >= 1.0 else
+                      predicted_tok_s(path, config(r), reqs, r, rate)[0])
         hidden = d - w
         compute = s - w
         overlap = hidden / min(compute, d) if d > 0 else float("nan")
         bound = tokens / max(c, nbytes / (rate * 1e9))
         rows[r] = dict(tok_s=tokens / s, wall=s, disk_busy=d, disk_bytes=nbytes, hidden=hidden,
-                       overlap=overlap, pred=pred, bound=bound, compute=compute, wait=w)
+                       overlap=overlap, pred=pred, bound=bound, compute=compute, wait=w,
+                       pred_sweep=pred_sweep)
         last = runs[r][-1]
         assert all(x["ok"] for x in runs[r]), f"r_host {r}: rows failed"
         print(f"{r:>6.2f} {tokens / s:>8.1f} {s:>7.2f} {nbytes / 1e9:>8.2f} "
@@ -207,14 +225,12 @@ def main() -> None:
               f"{last['mode']}")
     zero = rows[0.0]
     accuracy = 1.0 - abs(zero["pred"] - zero["tok_s"]) / zero["tok_s"]
-    achieved = zero["disk_bytes"] / zero["disk_busy"] / 1e9
     if not cuda:
-        at_achieved, _ = predicted_tok_s(path, config(0.0), reqs, 0.0, achieved)
-        print(f"diagnostic: at the {achieved:.2f} GB/s the r_host=0 runs' reader achieved, the "
-              f"model predicts {at_achieved:.1f} tok/s (accuracy "
-              f"{1.0 - abs(at_achieved - zero['tok_s']) / zero['tok_s']:.3f})")
-    print(f"\ndisk rate {disk_gbps:.2f} GB/s measured now, median (the machine profile says "
-          f"{profiled_gbps:.2f}); C (r_host 1) = {c:.2f} s")
+        print(f"at the back-to-back sweep's rate instead of the learnt one the model predicts "
+              f"{zero['pred_sweep']:.1f} tok/s at r_host 0 (accuracy "
+              f"{1.0 - abs(zero['pred_sweep'] - zero['tok_s']) / zero['tok_s']:.3f})")
+    print(f"\ndisk rate {disk_gbps:.2f} GB/s by sweep, median; the model's (learnt) "
+          f"{profiled_gbps:.2f} GB/s; C (r_host 1) = {c:.2f} s")
     rss = dict(ratio=float("nan"))
     if not cuda:
         rss = rss_check(path, args.budget_gb, 0.05, requests=16, prompt_len=128,

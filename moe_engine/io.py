@@ -5,11 +5,15 @@ name beside its final path and renamed into place, so a killed job leaves either
 or the new one, never a torn one. The temporary name carries the process id, so two writers of
 the same path never clobber each other's half-written file.
 
+Locks: a file several jobs may update or build at once (a shared cache entry) is changed under
+an exclusive advisory lock beside it.
+
 Cache dirs: hardware profiles (keyed by machine fingerprint) and routing profiles of read-only
 model directories, shared by every run and checkout on the machine.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from contextlib import contextmanager
@@ -55,6 +59,20 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+@contextmanager
+def exclusive_lock(lock_path: str | os.PathLike) -> Iterator[None]:
+    """An exclusive advisory lock (flock) on `lock_path` held for the block; released if the
+    process dies."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:

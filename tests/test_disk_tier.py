@@ -394,9 +394,16 @@ def test_a_disk_read_error_fails_the_shard_and_the_rerun_loses_no_row(model_dirs
         return real(self, dst, read)
 
     monkeypatch.setattr(disk_mod.DirectReader, "read_into", counting)
+    import moe_engine.tools.profile_hardware as profiler
+
+    learnt = []
+    monkeypatch.setattr(profiler, "learn_disk_rate", lambda path, stats: learnt.append(stats))
     run("calibrate")  # records the routing profile: both runs below rank experts alike
     calls["n"] = 0
     reference = run("reference")
+    # Each job hands its reader's figures to the machine profile (the learnt disk rate).
+    assert len(learnt) == 2 and learnt[-1]["disk_bytes_read"] > 0
+    assert learnt[-1]["disk_busy_time_s"] > 0
     calls["n"], calls["fail_after"] = 0, calls["n"] // 2  # half way through the shard
     with pytest.raises(DiskReadError, match="experts.bin|safetensors"):
         run("resumed")

@@ -88,3 +88,33 @@ def test_cli_ensure_keeps_a_covering_profile(tiny_profile, tmp_path, capsys):
     before = out.stat().st_mtime_ns
     assert main(["--ensure", "--out", str(out), "--model", "tiny-mixtral", "--fast"]) == 0
     assert out.stat().st_mtime_ns == before and "covers tiny-mixtral" in capsys.readouterr().out
+
+
+def test_the_disk_rate_is_learnt_from_generate_jobs(tiny_profile, tmp_path):
+    """A sweep of the disk need not describe the reads of a run (this CI's virtual disk: 1.1-1.7
+    GB/s back to back, 1.9-2.1 GB/s spread through a run): generate jobs record the rate their
+    reader achieved, and the model plans with the median of the last few."""
+    import shutil
+
+    from moe_engine.perf.hardware import disk_read_gbps, load_profile
+    from moe_engine.tools.profile_hardware import DISK_RUNS_KEPT, learn_disk_rate
+
+    path = tmp_path / "profile.yaml"
+    shutil.copy(tiny_profile[0], path)
+    swept = load_profile(path)["disk_read_gbps"]
+    assert disk_read_gbps(load_profile(path)) == swept  # nothing learnt yet
+    # Too few bytes to say anything, or no profile: nothing is recorded.
+    assert learn_disk_rate(path, {"disk_bytes_read": 1 << 20, "disk_busy_time_s": 0.001}) is None
+    assert learn_disk_rate(tmp_path / "none.yaml", {"disk_bytes_read": 4e9,
+                                                    "disk_busy_time_s": 2.0}) is None
+    assert learn_disk_rate(path, {}) is None
+    for gbps in (1.0, 3.0, 2.0):
+        assert learn_disk_rate(path, {"disk_bytes_read": gbps * 2e9,
+                                      "disk_busy_time_s": 2.0}) == gbps
+    data = load_profile(path)
+    assert data["disk_read_gbps_runs"] == [1.0, 3.0, 2.0] and data["disk_read_gbps"] == swept
+    assert disk_read_gbps(data) == 2.0
+    assert spec_from_figures(data).disk_bw == 2.0e9
+    for _ in range(DISK_RUNS_KEPT + 3):
+        learn_disk_rate(path, {"disk_bytes_read": 5e9, "disk_busy_time_s": 1.0})
+    assert load_profile(path)["disk_read_gbps_runs"] == [5.0] * DISK_RUNS_KEPT

@@ -16,21 +16,19 @@ pager's host store holds and the device ring receives. Two sources give the byte
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import struct
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
-from moe_engine.io import atomic_path, default_cache_dir, write_text_atomic
+from moe_engine.io import atomic_path, default_cache_dir, exclusive_lock, write_text_atomic
 from moe_engine.model.arch import NameTable
 from moe_engine.model.loader import (INTERLEAVED_SLOTS, expert_clamp, fused_expert_parts,
                                      safetensors_files, swiglu_weights)
@@ -314,7 +312,7 @@ class ExpertFile:
         f = cls(Path(cache_dir or default_cache_dir()) / "experts" / key)
         # Generate jobs of several shards may start at once: one builds, the others wait for
         # it and read its file (two builds would swap the file under a reader).
-        with _exclusive(f.directory / ".lock"):
+        with exclusive_lock(f.directory / ".lock"):
             if not f.index.exists() or not f.data.exists():
                 f._build(model_dir, spec, dtype, fmt, convert)
         return f._source()
@@ -375,18 +373,6 @@ def _progress(items: list, desc: str):
     interval = 1.0 if sys.stderr.isatty() else 30.0
     return tqdm(items, desc=desc, unit="expert", file=sys.stderr, mininterval=interval,
                 ascii=True, dynamic_ncols=False)
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """An exclusive advisory lock (flock) held for the block; released if the process dies."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data, offset: int) -> None:

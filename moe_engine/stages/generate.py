@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ from moe_engine.config import AppConfig, to_yaml
 from moe_engine.io import atomic_path, write_text_atomic
 from moe_engine.stages.policy import engine_config_for
 from moe_engine.stages.tables import GENERATION_SCHEMA, RESULT_FIELDS, STATUS_ERROR, checkpoint_path
+
+log = logging.getLogger(__name__)
 
 LOG_PROGRESS_S = 5.0  # seconds between progress lines when stderr is a log file
 
@@ -132,6 +135,7 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
             _generate_into(engine, build_requests(todo, cfg), todo.height, frame.height, resumed,
                            writer, done, progress)
             engine_stats = engine.stats.to_dict()
+            _learn_disk_rate(engine_stats.get("offload") or {})
     finally:
         writer.close()
         if owned is not None:
@@ -159,6 +163,20 @@ def run_shard(cfg: AppConfig, model_dir: Path, shard_path: Path, out_path: Path,
     write_text_atomic(stats_path, json.dumps(stats, indent=2, default=str) + "\n")
     ckpt.unlink(missing_ok=True)
     return stats
+
+
+def _learn_disk_rate(offload_stats: dict) -> None:
+    """The disk tier's achieved read rate goes into the machine profile, so the next policy
+    plans with the rate runs get rather than the profiler's sweep (perf.hardware.disk_read_gbps).
+    An unwritable cache must not fail a job that generated its rows."""
+    from moe_engine.io import hardware_cache_dir
+    from moe_engine.perf.hardware import cached_profile_path
+    from moe_engine.tools.profile_hardware import learn_disk_rate
+
+    try:
+        learn_disk_rate(cached_profile_path(hardware_cache_dir()), offload_stats)
+    except OSError as exc:
+        log.warning("could not record the disk rate in the machine profile: %s", exc)
 
 
 def _generate_into(engine, requests: Iterable, count: int, total: int, resumed: int,

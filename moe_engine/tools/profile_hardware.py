@@ -21,11 +21,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import yaml
 
-from moe_engine.io import default_cache_dir, hardware_cache_dir, write_text_atomic
+from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
 from moe_engine.perf.hardware import (HOST_KEYS, gemm_shapes, load_profile, machine_fingerprint, profile_covers,
@@ -367,6 +367,32 @@ def write_profile(data: dict[str, Any], path: Path | str) -> Path:
     """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
     return write_text_atomic(path, "# Measured by python -m moe_engine.tools.profile_hardware; GB, GB/s, "
                              "TFLOP/s, GFLOP/s.\n" + yaml.safe_dump(data, sort_keys=False))
+
+
+# Recent runs the learnt disk rate is the median of; reads below this many bytes say too little.
+DISK_RUNS_KEPT = 8
+DISK_RUN_MIN_BYTES = 64 << 20
+
+
+def learn_disk_rate(path: Path | str, offload_stats: dict[str, Any]) -> Optional[float]:
+    """Record the rate the disk tier's reader achieved in a generate job (its offload stats:
+    disk_bytes_read over disk_busy_time_s) into the cached profile at `path`, keeping the last
+    DISK_RUNS_KEPT; the model then plans with their median (perf.hardware.disk_read_gbps).
+    Nothing is recorded without a profile or for a run that read under DISK_RUN_MIN_BYTES.
+    Returns the recorded GB/s."""
+    nbytes = float(offload_stats.get("disk_bytes_read") or 0)
+    busy = float(offload_stats.get("disk_busy_time_s") or 0)
+    path = Path(path)
+    if nbytes < DISK_RUN_MIN_BYTES or busy <= 0 or not path.exists():
+        return None
+    gbps = round(nbytes / busy / GB, 3)
+    # Shard jobs finish at the same time: one read-modify-write at a time.
+    with exclusive_lock(path.with_suffix(".lock")):
+        data = load_profile(path)
+        data["disk_read_gbps_runs"] = (list(data.get("disk_read_gbps_runs") or ())
+                                       + [gbps])[-DISK_RUNS_KEPT:]
+        write_profile(data, path)
+    return gbps
 
 
 def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False) -> dict[str, Any]:
