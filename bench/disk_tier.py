@@ -82,18 +82,29 @@ def run(path: Path, config: EngineConfig, reqs, trace: Trace | None = None) -> d
     return out
 
 
+def machine_profile(path: Path):
+    """(the checkpoint's ModelSpec, this machine's cached profile covering it: measured first if
+    missing, the path generate jobs record their disk rates in)."""
+    from moe_engine.io import hardware_cache_dir
+    from moe_engine.perf import ModelSpec
+    from moe_engine.perf.hardware import cached_profile_path
+    from moe_engine.tools.profile_hardware import ensure_profile
+
+    model = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
+    profile_path = cached_profile_path(hardware_cache_dir())
+    return model, ensure_profile(profile_path, model), profile_path
+
+
 def predicted_tok_s(path: Path, config: EngineConfig, reqs, r_host: float,
                     disk_gbps: float | None = None) -> tuple[float, float]:
     """(the model's tok/s for this run's policy at `disk_gbps`, default the profile's own
     rate (the learnt one when generate jobs recorded any), the profile's disk GB/s)."""
-    from moe_engine.io import hardware_cache_dir
-    from moe_engine.perf import ModelSpec, Policy, predict, workload_spec_from_lengths
-    from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
-    from moe_engine.tools.profile_hardware import ensure_profile
-
-    model = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
-    profile = ensure_profile(cached_profile_path(hardware_cache_dir()), model)
     import dataclasses
+
+    from moe_engine.perf import Policy, predict, workload_spec_from_lengths
+    from moe_engine.perf.hardware import spec_from_figures
+
+    model, profile, _ = machine_profile(path)
 
     profiled = spec_from_figures(profile)
     hw = profiled if disk_gbps is None else dataclasses.replace(profiled, disk_bw=disk_gbps * 1e9)
@@ -169,14 +180,11 @@ def main() -> None:
     # Warm-up: builds the expert file and the routing profile once, outside the timed runs,
     # and records the rate its reader achieved in the machine profile, as every generate job
     # does (stages/generate.py): the model's disk rate is the median of those learnt rates.
-    from moe_engine.io import hardware_cache_dir
-    from moe_engine.perf.hardware import cached_profile_path
     from moe_engine.tools.profile_hardware import learn_disk_rate
 
     warm = run(path, config(0.0), reqs[:2])
     if not cuda:
-        predicted_tok_s(path, config(0.0), reqs[:2], 0.0)  # the profile exists from here on
-        learnt = learn_disk_rate(cached_profile_path(hardware_cache_dir()),
+        learnt = learn_disk_rate(machine_profile(path)[2],
                                  dict(disk_bytes_read=warm["disk_bytes"],
                                       disk_busy_time_s=warm["disk_busy"]))
         print(f"warm-up run: its reader achieved {learnt} GB/s, recorded in the machine profile")

@@ -152,7 +152,8 @@ def main() -> None:
     from moe_engine.tools import machine_info
 
     print(machine_info.header(os.cpu_count()), flush=True)
-    if args.backend == "cuda":
+    cuda = args.backend == "cuda"
+    if cuda:
         import torch
 
         print(f"# device: {torch.cuda.get_device_name(0)}, torch CUDA {torch.version.cuda}",
@@ -160,9 +161,8 @@ def main() -> None:
     path = model_dir(args.model)
     # A GPU pipeline computes with torch GEMMs on torch-layout weights.
     config = EngineConfig(threads=0, kv_cache_gb=0.25, num_micro_batches=args.micro_batches,
-                          gemm="torch" if args.backend == "cuda" else "auto")
+                          gemm="torch" if cuda else "auto")
     reqs = requests(args.requests, args.new_tokens)
-    cuda = args.backend == "cuda"
     link = None if cuda else args.link_gbps
     link_name = "real host link" if cuda else f"emulated link {args.link_gbps} GB/s"
     resident = OffloadSettings(backend=args.backend, resident_ratio=1.0)

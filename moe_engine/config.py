@@ -431,8 +431,7 @@ def validate(cfg: AppConfig) -> None:
     _check(e.host_memory_gb is None or e.host_memory_gb > 0, "engine.host_memory_gb",
            e.host_memory_gb, "must be > 0 (or null for no host weight budget)")
     _check(e.disk_read_mb > 0, "engine.disk_read_mb", e.disk_read_mb, "must be > 0")
-    disk_tier = e.host_resident_ratio is not None or e.host_memory_gb is not None
-    _check(not (disk_tier and e.backend is not DeviceKind.cpu and e.host_resident_ratio is not None
+    _check(not (e.backend is not DeviceKind.cpu and e.host_resident_ratio is not None
                 and e.resident_ratio > e.host_resident_ratio), "engine.resident_ratio",
            e.resident_ratio, "the device tier lies inside the host tier: must be <= "
            "engine.host_resident_ratio")

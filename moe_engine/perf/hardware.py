@@ -25,14 +25,15 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 CYTHON_KERNEL_DIR = Path(__file__).resolve().parents[1] / "_kernels"
 CYTHON_KERNEL_NAME = "paged_attention"
 PACKED_KERNEL_NAME = "packed_gemm"
-# Engine-loop figures a profile must carry (profiles from before they existed lack them).
-# Figures every profile must have besides GEMM rates: the engine loop's and the disk tier's.
+# Figures every profile must have besides GEMM rates: the engine loop's and the disk tier's
+# (profiles from before they existed lack them).
 HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "disk_read_gbps")
 
 
 # An NVMe SSD's sequential O_DIRECT reads at queue depth 1 with 16 MiB requests (1.1-2.9 GB/s
 # measured on the CI machines); profiles measure the machine's own (disk_read_gbps).
 DEFAULT_DISK_READ_GBPS = 2.0
+
 
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only

@@ -413,8 +413,6 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
         data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
         for key in HOST_KEYS:
             data.setdefault(key, extra[key])
-        if data.get("disk_read_gbps") is None:
-            data["disk_read_gbps"] = extra["disk_read_gbps"]
         if data.get("cpu_attention_gbps") is None:
             data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
             data["attention_kernel"] = extra["attention_kernel"]
