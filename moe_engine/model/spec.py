@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -206,19 +206,19 @@ class ModelSpec:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an "
                              f"even number of the head's {self.head_dim} dims")
 
-    @property
+    @cached_property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
+    @cached_property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    @property
+    @cached_property
     def rotary_dim(self) -> int:
         """Dims of each head RoPE rotates (the first ones, as transformers rounds it; MLA: its
         rope part, which model/mla.py hands over alone)."""
@@ -232,7 +232,7 @@ class ModelSpec:
             return self.sliding_window
         return None
 
-    @property
+    @cached_property
     def attention_features(self) -> tuple[str, ...]:
         """What the attention adds to plain causal attention, by name (for the kernels to
         refuse or a fallback to report)."""
@@ -240,18 +240,18 @@ class ModelSpec:
             ("attention sinks", self.attention_sinks),
             ("sliding-window layers", self.num_windowed_layers > 0)) if present)
 
-    @property
+    @cached_property
     def expert_features(self) -> tuple[str, ...]:
         """What the experts add to a plain bias-free SwiGLU, by name (see attention_features)."""
         return tuple(name for name, present in (
             ("expert biases", self.expert_bias),
             ("the clamped SwiGLU", self.expert_activation == "clamped_swiglu")) if present)
 
-    @property
+    @cached_property
     def num_windowed_layers(self) -> int:
         return sum(t == "sliding_attention" for t in self.layer_types)
 
-    @property
+    @cached_property
     def attention_scale(self) -> float:
         """The softmax scale. MLA under a scaled RoPE multiplies 1/sqrt(head_dim) by the square
         of YaRN's mscale at mscale_all_dim, as transformers' DeepSeek attention does (whatever
@@ -266,15 +266,15 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
-    @property
+    @cached_property
     def num_moe_layers(self) -> int:
         return self.num_layers - len(self.dense_layers)
 
-    @property
+    @cached_property
     def num_dense_layers(self) -> int:
         return len(self.dense_layers)
 
-    @property
+    @cached_property
     def dtype_bytes(self) -> int:
         return dtype_bytes_of(self.torch_dtype)
 
@@ -287,11 +287,11 @@ class ModelSpec:
         """The same shapes stored at another width (what-if sizing)."""
         return self.with_dtype(_DTYPE_OF_WIDTH[dtype_bytes])
 
-    @property
+    @cached_property
     def v_head_dim(self) -> int:
         return self.mla.v_head_dim if self.mla else self.head_dim
 
-    @property
+    @cached_property
     def qkv_out_features(self) -> int:
         """Width of the fused projection of the normed input (MLA: q's first projection, the
         latent and the rope key)."""
@@ -299,7 +299,7 @@ class ModelSpec:
             return (self.mla.q_lora_rank or self.q_size) + self.mla.latent_dim
         return self.q_size + self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
-    @property
+    @cached_property
     def attention_widths(self) -> tuple[int, int]:
         """(score, value) dims a query head attends with: head_dim and v_head_dim, or MLA's
         absorbed form (model/mla.py) over the latent entry, rank + rope and rank."""
@@ -307,7 +307,7 @@ class ModelSpec:
             return self.mla.latent_dim, self.mla.kv_lora_rank
         return self.head_dim, self.v_head_dim
 
-    @property
+    @cached_property
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """(heads, key dims, value dims) of one token's cache entry per layer; MLA caches one
         latent "head" whose values are its first kv_lora_rank dims, stored once (value dims 0)."""
@@ -315,7 +315,7 @@ class ModelSpec:
             return 1, self.mla.latent_dim, 0
         return self.num_kv_heads, self.head_dim, self.v_head_dim
 
-    @property
+    @cached_property
     def attn_params_per_layer(self) -> int:
         """q, k, v, o projections with their biases and q/k norms (MLA: its low-rank factors)."""
         h, n_q = self.hidden_size, self.num_heads
@@ -339,52 +339,52 @@ class ModelSpec:
             params += self.q_size + self.kv_size
         return params
 
-    @property
+    @cached_property
     def expert_params(self) -> int:
         """gate, up and down projections of one routed expert (SwiGLU), with their biases
         where the experts have them (GPT-OSS)."""
         bias = 2 * self.intermediate_size + self.hidden_size if self.expert_bias else 0
         return 3 * self.hidden_size * self.intermediate_size + bias
 
-    @property
+    @cached_property
     def router_params(self) -> int:
         """Router weight, plus its score-correction bias (stored in fp32 by the checkpoints,
         counted at the model's width here) or its GEMM bias (GPT-OSS): E values per layer."""
         bias = self.num_experts if self.router_score_correction or self.router_bias else 0
         return self.hidden_size * self.num_experts + bias
 
-    @property
+    @cached_property
     def shared_params(self) -> int:
         gate = self.hidden_size if self.shared_expert_gate and self.shared_expert_intermediate_size else 0
         return 3 * self.hidden_size * self.shared_expert_intermediate_size + gate
 
-    @property
+    @cached_property
     def dense_mlp_params(self) -> int:
         return 3 * self.hidden_size * self.dense_intermediate_size
 
-    @property
+    @cached_property
     def dense_params_per_layer(self) -> int:
         """Weights every token uses in a MoE layer: attention, router, shared experts, norms."""
         return self.attn_params_per_layer + self.router_params + self.shared_params + 2 * self.hidden_size
 
-    @property
+    @cached_property
     def experts_params_per_layer(self) -> int:
         return self.num_experts * self.expert_params
 
-    @property
+    @cached_property
     def moe_layer_bytes(self) -> int:
         return (self.dense_params_per_layer + self.experts_params_per_layer) * self.dtype_bytes
 
-    @property
+    @cached_property
     def dense_layer_bytes(self) -> int:
         return (self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size) * self.dtype_bytes
 
-    @property
+    @cached_property
     def embedding_bytes(self) -> int:
         tables = 1 if self.tie_word_embeddings else 2
         return (tables * self.vocab_size * self.hidden_size + self.hidden_size) * self.dtype_bytes
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Decoder-layer weights one token uses (embeddings and LM head left out, as model cards
         count "activated" parameters): every dense layer, and per MoE layer all but the
@@ -393,30 +393,30 @@ class ModelSpec:
         dense = self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size
         return self.num_moe_layers * moe + self.num_dense_layers * dense
 
-    @property
+    @cached_property
     def layers_bytes(self) -> int:
         return self.num_moe_layers * self.moe_layer_bytes + self.num_dense_layers * self.dense_layer_bytes
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return self.layers_bytes + self.embedding_bytes
 
-    @property
+    @cached_property
     def total_params(self) -> int:
         return self.total_bytes // self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_bytes_per_token_layer(self) -> int:
         heads, key, value = self.kv_cache_layout
         return heads * (key + value) * self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V (MLA: the latent and rope key) of one token across all layers (what one slot
         of the host KV cache holds)."""
         return self.num_layers * self.kv_bytes_per_token_layer
 
-    @property
+    @cached_property
     def pools_window_kv(self) -> bool:
         """Whether the engine keeps the sliding-window layers' K/V in a pool of their own, which
         holds only each sequence's window (a model with both kinds of layers, GPT-OSS)."""
