@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_engine.model import packed  # noqa: E402
+from moe_engine.model.weights import ExpertWeights  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
 from moe_engine.tools.profile_hardware import last_level_cache_bytes  # noqa: E402
 
@@ -67,8 +68,8 @@ def bench_shape(name: str, hidden: int, inter: int, tokens: list[int], args) -> 
     w13 = (torch.randn(2 * inter, hidden, generator=g) * 0.02).bfloat16()
     w2 = (torch.randn(hidden, inter, generator=g) * 0.02).bfloat16()
     expert_bytes = (w13.numel() + w2.numel()) * 2
-    kernel_bytes = packed.pack_expert(w13, w2, args.storage).nbytes()
-    kernel_w = rotating(lambda: packed.pack_expert(w13, w2, args.storage), kernel_bytes)
+    kernel_bytes = packed.pack_expert(ExpertWeights(w13, w2), args.storage).nbytes()
+    kernel_w = rotating(lambda: packed.pack_expert(ExpertWeights(w13, w2), args.storage), kernel_bytes)
     bf16_w = rotating(lambda: (w13.clone(), w2.clone()), expert_bytes)
     fp32_w = rotating(lambda: (w13.float(), w2.float()), 2 * expert_bytes)
 
@@ -104,7 +105,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024")
     ap.add_argument("--shapes", default="small-mixtral,mixtral-8x7b")
-    ap.add_argument("--storage", default="bf16", help="kernel weight storage: bf16|fp32|int8|int4")
+    ap.add_argument("--storage", default="bf16", help="kernel weight storage: bf16|fp32|fp16|int8|int4|mxfp4")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--bf16-flops-limit", type=float, default=4e11,
                     help="skip torch bf16 above this many FLOPs per call (it runs at ~15 GFLOP/s "

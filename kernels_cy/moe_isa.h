@@ -17,6 +17,11 @@
  *   i4: byte i (i < 16) of a k-row holds column i in its low nibble and column 16+i in its high
  *       one, each q in [0, 15] for W = (q - 8) * scale; scale is [P, k/G, 32] fp32 per group of
  *       G = MOE_I4_GROUP inputs and output column (Klotski's group-wise 4-bit)
+ *   fp4 (MXFP4, the OCP microscaling format GPT-OSS ships its experts in): nibbles placed as i4,
+ *       each an E2M1 code (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+ *       and their negatives), W = value * 2^(e - 127) with e the group's E8M0 scale byte;
+ *       scale is [P, k/32, 32] uint8 (groups of 32 inputs, as the format has them). Decoded
+ *       in registers by a table lookup (a permute), never widened in memory.
  * Every ISA computes each output as one fp32 FMA chain over k in increasing order, so a row's
  * result does not depend on the other rows of the call (batch invariance) nor on the ISA when
  * the ISA has FMA.
@@ -30,23 +35,36 @@
 #define MOE_I4_GROUP 32
 
 /* Storage dtypes of packed weights; KV caches use the first three. */
-enum moe_wdtype { MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4 };
+enum moe_wdtype {
+    MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4, MOE_W_FP4 = 5
+};
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
+/* The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped form
+ * (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), up clamped to [-limit, limit]. */
+enum moe_glu_kind { MOE_GLU_SILU = 0, MOE_GLU_CLAMPED = 1 };
+typedef struct {
+    int kind;
+    float alpha, limit; /* MOE_GLU_CLAMPED only */
+} moe_glu;
 enum moe_isa { MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_COUNT = 3 };
 
 /* A packed weight: data in the layout above, n true output columns, k inputs. */
 typedef struct {
     const void *data;
-    const float *scale; /* i8: [P*32]; i4: [P, k/G, 32]; else NULL */
+    const void *scale; /* i8: [P*32] fp32; i4: [P, k/G, 32] fp32; fp4: [P, k/32, 32] uint8;
+                        * else NULL */
     int64_t n, k;
     int dtype;
 } moe_packed;
 
 /* One SwiGLU expert as the kernels hold it: w13 packs gate|up so that panel p's columns 0-15
  * are gate rows 16p..16p+15 and its columns 16-31 the up rows of the same indices (n = 2*I
- * padded to a multiple of 32); w2 is down [H, I]. */
+ * padded to a multiple of 32); w2 is down [H, I]. Biases (GPT-OSS; NULL: none) follow the
+ * packed columns and are padded to whole panels: b13 [P13*32] (gate then up per panel), b2
+ * [P2*32]. */
 typedef struct {
     moe_packed w13, w2;
+    const float *b13, *b2;
 } moe_expert;
 
 /* One decode-attention call (paged_attention_impl.h): one new query token per sequence against
@@ -77,13 +95,14 @@ typedef struct {
     void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
                    int act, float *y, int64_t ldy, int nthreads);
     /* Routed SwiGLU experts over T tokens with top_k choices each: out[t] = sum over s < top_k
-     * (in s order) of weight[t, s] * expert[idx[t, s]](x[t]). experts[e].w13.data NULL means
+     * (in s order) of weight[t, s] * expert[idx[t, s]](x[t]), an expert computing
+     * down(glu(gate|up(x) + b13)) + b2. experts[e].w13.data NULL means
      * the expert is absent (its rows must not occur). work and iwork are scratch of
      * moe_ffn_work_floats and moe_ffn_iwork_ints. Returns 0, -1 for an index naming an absent or
      * out-of-range expert, -2 when out of memory. */
     int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx, const float *weight,
-                    int top_k, const moe_expert *experts, int num_experts, float *out, float *work,
-                    int32_t *iwork, int nthreads);
+                    int top_k, const moe_expert *experts, int num_experts, const moe_glu *glu,
+                    float *out, float *work, int32_t *iwork, int nthreads);
     /* FLOP/s probe: n iterations of 12 FMA chains per thread; returns a checksum. */
     double (*fma_probe)(int64_t n, int nthreads);
     /* Paged decode attention, one task per (sequence, KV head) on nthreads threads; head_dim a

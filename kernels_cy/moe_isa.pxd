@@ -5,18 +5,25 @@ from libc.stdint cimport int32_t, int64_t
 cdef extern from "moe_isa.h" nogil:
     int MOE_NR
     int MOE_I4_GROUP
-    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4
+    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4
     int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_COUNT
     int MOE_ACT_NONE, MOE_ACT_SIGMOID
+    int MOE_GLU_SILU, MOE_GLU_CLAMPED
+    ctypedef struct moe_glu:
+        int kind
+        float alpha
+        float limit
     ctypedef struct moe_packed:
         const void *data
-        const float *scale
+        const void *scale
         int64_t n
         int64_t k
         int dtype
     ctypedef struct moe_expert:
         moe_packed w13
         moe_packed w2
+        const float *b13
+        const float *b2
     ctypedef struct moe_attn_args:
         const float *query
         float *out
@@ -37,7 +44,7 @@ cdef extern from "moe_isa.h" nogil:
                        int nthreads) noexcept nogil
         int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx,
                        const float *weight, int top_k, const moe_expert *experts, int num_experts,
-                       float *out, float *work, int32_t *iwork, int nthreads) noexcept nogil
+                       const moe_glu *glu, float *out, float *work, int32_t *iwork, int nthreads) noexcept nogil
         double (*fma_probe)(int64_t n, int nthreads) noexcept nogil
         int (*decode_attention)(const moe_attn_args *args, int nthreads) noexcept nogil
         double (*read_sum)(const float *p, int64_t n, int nthreads) noexcept nogil

@@ -11,7 +11,10 @@ from moe_isa cimport *
 
 NR = MOE_NR
 I4_GROUP = MOE_I4_GROUP
-W_F32, W_BF16, W_F16, W_I8, W_I4 = MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4
+W_F32, W_BF16, W_F16, W_I8, W_I4, W_FP4 = (MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4,
+                                           MOE_W_FP4)
+GLU_SILU, GLU_CLAMPED = MOE_GLU_SILU, MOE_GLU_CLAMPED
+TABLE_COLUMNS = 12  # moe_ffn's expert table: see its docstring
 ISA_GENERIC, ISA_AVX2, ISA_AVX512 = MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512
 ACTIVATIONS = {None: MOE_ACT_NONE, "sigmoid": MOE_ACT_SIGMOID}
 ISA_NAMES = {isa: moe_isa_name(isa).decode() for isa in range(MOE_ISA_COUNT)}
@@ -33,7 +36,7 @@ def lanes(int isa):
 cdef moe_packed _packed(uintptr_t data, uintptr_t scale, int64_t n, int64_t k, int dtype):
     cdef moe_packed w
     w.data = <const void *>data
-    w.scale = <const float *>scale
+    w.scale = <const void *>scale
     w.n = n
     w.k = k
     w.dtype = dtype
@@ -58,25 +61,34 @@ def work_sizes(int64_t T, int top_k, int64_t H, int64_t I, int num_experts):
 
 
 def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, int top_k,
-            uintptr_t table, int num_experts, uintptr_t out, uintptr_t work, uintptr_t iwork,
-            int nthreads, int isa):
-    """Routed SwiGLU experts (moe_isa.h). `table` is int64 [num_experts, 10]: for w13 then w2,
-    (data, scale, n, k, dtype); data 0 marks an absent expert. Releases the GIL."""
+            uintptr_t table, int num_experts, int glu, float alpha, float limit, uintptr_t out,
+            uintptr_t work, uintptr_t iwork, int nthreads, int isa):
+    """Routed SwiGLU experts (moe_isa.h). `table` is int64 [num_experts, TABLE_COLUMNS]: for
+    w13 then w2, (data, scale, n, k, dtype), then the biases b13 and b2 (0: none); data 0 marks
+    an absent expert. `glu` is GLU_SILU or GLU_CLAMPED (alpha, limit). Releases the GIL."""
     cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef const int64_t *t = <const int64_t *>table
     cdef moe_expert *experts = <moe_expert *>malloc(sizeof(moe_expert) * max(num_experts, 1))
+    cdef moe_glu act
     cdef int e, rc
+    cdef int64_t c
     if experts == NULL:
         raise MemoryError("moe_ffn: expert table")
+    act.kind = glu
+    act.alpha = alpha
+    act.limit = limit
     for e in range(num_experts):
-        experts[e].w13 = _packed(<uintptr_t>t[e * 10], <uintptr_t>t[e * 10 + 1], t[e * 10 + 2],
-                                 t[e * 10 + 3], <int>t[e * 10 + 4])
-        experts[e].w2 = _packed(<uintptr_t>t[e * 10 + 5], <uintptr_t>t[e * 10 + 6], t[e * 10 + 7],
-                                t[e * 10 + 8], <int>t[e * 10 + 9])
+        c = e * TABLE_COLUMNS
+        experts[e].w13 = _packed(<uintptr_t>t[c], <uintptr_t>t[c + 1], t[c + 2], t[c + 3],
+                                 <int>t[c + 4])
+        experts[e].w2 = _packed(<uintptr_t>t[c + 5], <uintptr_t>t[c + 6], t[c + 7], t[c + 8],
+                                <int>t[c + 9])
+        experts[e].b13 = <const float *><uintptr_t>t[c + 10]
+        experts[e].b2 = <const float *><uintptr_t>t[c + 11]
     nthreads = max(nthreads, 1)
     with nogil:
         rc = ops.moe_ffn(<const float *>x, T, H, <const int64_t *>idx, <const float *>weight,
-                         top_k, experts, num_experts, <float *>out, <float *>work,
+                         top_k, experts, num_experts, &act, <float *>out, <float *>work,
                          <int32_t *>iwork, nthreads)
     free(experts)
     if rc == -1:

@@ -57,8 +57,32 @@ static inline vi widen_u8(const void *p) {
 
 /* Bytes of one k-row (32 columns) per weight dtype. */
 static inline int64_t krow_bytes(int dt) {
-    return dt == MOE_W_F32 ? 128 : dt == MOE_W_I8 ? 32 : dt == MOE_W_I4 ? 16 : 64;
+    return dt == MOE_W_F32 ? 128 : dt == MOE_W_I8 ? 32 : (dt == MOE_W_I4 || dt == MOE_W_FP4) ? 16 : 64;
 }
+
+/* The E2M1 (FP4) values by code: sign bit 3, then 2 exponent bits and 1 mantissa bit. */
+static const float fp4_values[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                                     -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+/* The FP4 values of the codes in bits 0-3 of each lane (higher bits ignored): one permute of
+ * a table held in a register (AVX-512: all 16 codes; AVX2: the 8 magnitudes, then the sign
+ * bit moved into place), a scalar lookup in the generic build. */
+static inline __attribute__((always_inline)) vf fp4_decode(vi q) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_permutexvar_ps((__m512i)q, _mm512_loadu_ps(fp4_values));
+#elif VW == 8 && defined(__AVX2__)
+    const vf mag = (vf)_mm256_permutevar8x32_ps(_mm256_loadu_ps(fp4_values), (__m256i)q);
+    return (vf)((vu)mag | ((vu)(q << 28) & 0x80000000u));
+#else
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = fp4_values[q[i] & 15];
+    return r;
+#endif
+}
+
+/* VW E8M0 scale bytes -> 2^(e - 127) as fp32: the byte is the fp32 exponent field (e = 0,
+ * 2^-127 in the format, becomes 0). */
+static inline vf e8m0_decode(const uint8_t *p) { return (vf)(widen_u8(p) << 23); }
 
 /* The two weight vectors of pass s of a k-row, widened to fp32 (i4: raw q, not yet scaled). */
 static inline __attribute__((always_inline)) void load_pair(const int dt, const char *row, int s,
@@ -75,10 +99,14 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
     } else if (dt == MOE_W_I8) {
         *a = __builtin_convertvector(widen_i8(row + s * VW), vf);
         *b = __builtin_convertvector(widen_i8(row + 16 + s * VW), vf);
-    } else { /* MOE_W_I4: byte i holds column i (low nibble) and 16+i (high nibble) */
+    } else if (dt == MOE_W_I4) { /* byte i holds column i (low nibble) and 16+i (high) */
         vi w = widen_u8(row + s * VW);
         *a = __builtin_convertvector(w & 15, vf);
         *b = __builtin_convertvector(w >> 4, vf);
+    } else { /* MOE_W_FP4: nibbles as i4, E2M1 codes (not yet scaled) */
+        vi w = widen_u8(row + s * VW);
+        *a = fp4_decode(w);
+        *b = fp4_decode(w >> 4);
     }
 }
 
@@ -86,18 +114,30 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
  * output in increasing k. */
 static inline __attribute__((always_inline)) void micro_kernel(
     const int dt, const int M, const float *x, int64_t ldx, int64_t K, const char *panel,
-    const float *gscale, int s, vf acc[][2]) {
+    const void *gscale, int s, vf acc[][2]) {
     const int64_t rb = krow_bytes(dt);
     for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = (vf){0};
-    if (dt == MOE_W_I4) {
+    if (dt == MOE_W_I4 || dt == MOE_W_FP4) { /* both have groups of 32 (MOE_I4_GROUP) */
         for (int64_t g = 0; g < K; g += MOE_I4_GROUP) {
-            const float *sc = gscale + (g / MOE_I4_GROUP) * MOE_NR;
-            const vf sa = ldf(sc + s * VW), sb = ldf(sc + 16 + s * VW);
+            vf sa, sb;
+            if (dt == MOE_W_I4) {
+                const float *sc = (const float *)gscale + (g / MOE_I4_GROUP) * MOE_NR;
+                sa = ldf(sc + s * VW);
+                sb = ldf(sc + 16 + s * VW);
+            } else {
+                const uint8_t *sc = (const uint8_t *)gscale + (g / MOE_I4_GROUP) * MOE_NR;
+                sa = e8m0_decode(sc + s * VW);
+                sb = e8m0_decode(sc + 16 + s * VW);
+            }
             for (int64_t k = g; k < g + MOE_I4_GROUP; k++) {
                 vf a, b;
                 load_pair(dt, panel + k * rb, s, &a, &b);
-                a = (a - 8.0f) * sa;
-                b = (b - 8.0f) * sb;
+                if (dt == MOE_W_I4) { /* q - 8; FP4 codes decode to signed values */
+                    a = a - 8.0f;
+                    b = b - 8.0f;
+                }
+                a = a * sa;
+                b = b * sb;
                 for (int r = 0; r < M; r++) {
                     const vf xb = bcast(x[r * ldx + k]);
                     acc[r][0] += a * xb;
@@ -120,6 +160,27 @@ static inline __attribute__((always_inline)) void micro_kernel(
 
 static inline vf vsigmoid(vf v) { return 1.0f / (1.0f + vexp(-v)); }
 
+static inline vf vmin(vf a, vf b) {
+    const vi lt = (vi)(a < b);
+    return (vf)((lt & (vi)a) | (~lt & (vi)b));
+}
+
+static inline vf vmax(vf a, vf b) {
+    const vi gt = (vi)(a > b);
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
+}
+
+/* The gated activation of gate g and up u (moe_glu), per lane. */
+static inline vf glu_apply(const moe_glu *glu, vf g, vf u) {
+    if (glu && glu->kind == MOE_GLU_CLAMPED) { /* GPT-OSS, in transformers' order */
+        const vf lim = bcast(glu->limit);
+        g = vmin(g, lim);
+        u = vmax(vmin(u, lim), -lim);
+        return (u + 1.0f) * (g * vsigmoid(g * glu->alpha));
+    }
+    return g / (1.0f + vexp(-g)) * u;
+}
+
 /* What a register tile becomes (applied per pass on the accumulators, vectorized). Column
  * indices are the panel's (0..31); `ncol` of them are real (the last panel may be partial). */
 enum { EPI_LINEAR, EPI_SWIGLU, EPI_SCATTER };
@@ -127,7 +188,8 @@ typedef struct {
     int mode;
     int ncol;              /* LINEAR/SCATTER: valid of 32 columns; SWIGLU: valid of 16 outputs */
     const float *cscale;   /* int8 per-column scales of the panel [32], else NULL */
-    const float *bias;     /* LINEAR: bias of the panel, padded to 32 columns, else NULL */
+    const float *bias;     /* bias of the panel's 32 columns (padded), else NULL */
+    const moe_glu *glu;    /* SWIGLU: the activation (NULL: SiLU) */
     int act;               /* LINEAR: MOE_ACT_* */
     float *out;            /* row 0's first output of the panel */
     int64_t ldo;           /* output row stride */
@@ -155,8 +217,12 @@ static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf
     for (int r = 0; r < M; r++) {
         vf a = ep->cscale ? acc[r][0] * sa : acc[r][0];
         vf b = ep->cscale ? acc[r][1] * sb : acc[r][1];
+        if (ep->bias) {
+            a = a + ldf(ep->bias + ca);
+            b = b + ldf(ep->bias + cb);
+        }
         if (ep->mode == EPI_SWIGLU) { /* a = gate, b = up of the same outputs ca.. */
-            store_cols(ep->out + (int64_t)(row0 + r) * ep->ldo, ca, a / (1.0f + vexp(-a)) * b,
+            store_cols(ep->out + (int64_t)(row0 + r) * ep->ldo, ca, glu_apply(ep->glu, a, b),
                        ep->ncol);
         } else if (ep->mode == EPI_SCATTER) {
             const int32_t row = ep->rows[row0 + r];
@@ -165,10 +231,6 @@ static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf
             store_cols(dst, ca, a * w, ep->ncol);
             store_cols(dst, cb, b * w, ep->ncol);
         } else {
-            if (ep->bias) {
-                a = a + ldf(ep->bias + ca);
-                b = b + ldf(ep->bias + cb);
-            }
             if (ep->act == MOE_ACT_SIGMOID) {
                 a = vsigmoid(a);
                 b = vsigmoid(b);
@@ -183,7 +245,7 @@ static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf
 /* M rows against a panel, all passes, each pass's accumulators through the epilogue. */
 static inline __attribute__((always_inline)) void tile_m(const int dt, const int M, const float *x,
                                                         int64_t ldx, int64_t K, const char *panel,
-                                                        const float *gscale, const epilogue *ep,
+                                                        const void *gscale, const epilogue *ep,
                                                         int row0) {
     for (int s = 0; s < NPASS; s++) {
         vf acc[M][2];
@@ -206,7 +268,7 @@ static inline __attribute__((always_inline)) void tile_m(const int dt, const int
 #endif
 #define MOE_TILE_FN(NAME, DT)                                                                   \
     static void NAME(int m, const float *x, int64_t ldx, int64_t K, const char *panel,          \
-                     const float *gscale, const epilogue *ep, int row0) {                       \
+                     const void *gscale, const epilogue *ep, int row0) {                        \
         switch (m) { MOE_TILE_CASES(DT) }                                                       \
     }
 MOE_TILE_FN(tile_f32, MOE_W_F32)
@@ -214,8 +276,9 @@ MOE_TILE_FN(tile_bf16, MOE_W_BF16)
 MOE_TILE_FN(tile_f16, MOE_W_F16)
 MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
+MOE_TILE_FN(tile_fp4, MOE_W_FP4)
 
-typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const float *,
+typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const void *,
                         const epilogue *, int);
 
 static tile_fn tile_for(int dt) {
@@ -224,6 +287,7 @@ static tile_fn tile_for(int dt) {
         case MOE_W_F16: return tile_f16;
         case MOE_W_I8: return tile_i8;
         case MOE_W_I4: return tile_i4;
+        case MOE_W_FP4: return tile_fp4;
         default: return tile_f32;
     }
 }
@@ -232,21 +296,24 @@ static inline const char *panel_ptr(const moe_packed *w, int64_t p) {
     return (const char *)w->data + p * w->k * krow_bytes(w->dtype);
 }
 
-/* Group scales of panel p (i4) or NULL. */
-static inline const float *panel_gscale(const moe_packed *w, int64_t p) {
-    return w->dtype == MOE_W_I4 ? w->scale + p * (w->k / MOE_I4_GROUP) * MOE_NR : NULL;
+/* Group scales of panel p (i4: fp32, fp4: E8M0 bytes) or NULL. */
+static inline const void *panel_gscale(const moe_packed *w, int64_t p) {
+    const int64_t at = p * (w->k / MOE_I4_GROUP) * MOE_NR;
+    if (w->dtype == MOE_W_I4) return (const float *)w->scale + at;
+    if (w->dtype == MOE_W_FP4) return (const uint8_t *)w->scale + at;
+    return NULL;
 }
 
 /* Per-column scale of panel p (i8) or NULL. */
 static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
-    return w->dtype == MOE_W_I8 ? w->scale + p * MOE_NR : NULL;
+    return w->dtype == MOE_W_I8 ? (const float *)w->scale + p * MOE_NR : NULL;
 }
 
 static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
 
 /* Rows [t0, t1) of an item against one panel, MR rows at a time. */
 static inline void run_tiles(tile_fn tile_of, const float *x, int64_t ldx, int64_t K,
-                             const char *panel, const float *gscale, const epilogue *ep,
+                             const char *panel, const void *gscale, const epilogue *ep,
                              int64_t t0, int64_t t1) {
     for (int64_t tb = t0; tb < t1; tb += MR)
         tile_of((int)(t1 - tb < MR ? t1 - tb : MR), x + tb * ldx, ldx, K, panel, gscale, ep,
@@ -276,7 +343,8 @@ static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed
  * that is out of range or absent, -2 when out of memory. */
 static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx,
                         const float *weight, int top_k, const moe_expert *experts, int E,
-                        float *out, float *work, int32_t *iwork, int nthreads) {
+                        const moe_glu *glu, float *out, float *work, int32_t *iwork,
+                        int nthreads) {
     const int64_t rows = T * top_k;
     int64_t I = 0;
     for (int e = 0; e < E && I == 0; e++)
@@ -317,9 +385,12 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
                 const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
+                const float *b13 = experts[e].b13;
                 const epilogue ep = {.mode = EPI_SWIGLU,
                                      .ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16),
-                                     .cscale = panel_cscale(w, p), .out = ae + p * 16, .ldo = I};
+                                     .cscale = panel_cscale(w, p),
+                                     .bias = b13 ? b13 + p * MOE_NR : NULL, .glu = glu,
+                                     .out = ae + p * 16, .ldo = I};
                 run_tiles(tile_of, xe, H, H, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
                           t1);
             }
@@ -337,9 +408,12 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
                 const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
+                const float *b2 = experts[e].b2;
                 const epilogue ep = {.mode = EPI_SCATTER,
                                      .ncol = (int)(H - p * MOE_NR < MOE_NR ? H - p * MOE_NR : MOE_NR),
-                                     .cscale = panel_cscale(w, p), .out = slots + p * MOE_NR,
+                                     .cscale = panel_cscale(w, p),
+                                     .bias = b2 ? b2 + p * MOE_NR : NULL,
+                                     .out = slots + p * MOE_NR,
                                      .ldo = H, .rows = by_expert + offset[e], .weight = weight};
                 run_tiles(tile_of, ae, I, I, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
                           t1);

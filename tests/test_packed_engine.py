@@ -21,12 +21,7 @@ pytestmark = pytest.mark.skipif(not packed.HAS_PACKED_KERNELS, reason="kernels n
 INDICES = [0, 1, 2, 6, 9, 11]
 
 
-# GPT-OSS's experts (biases, clamped SwiGLU) do not run on the packed kernels: see
-# test_gpt_oss_takes_the_torch_gemm_path_and_packed_refuses_it.
-PACKED_PRESETS = [p for p in TINY_PRESETS if p != "tiny-gpt-oss"]
-
-
-@pytest.fixture(scope="module", params=PACKED_PRESETS)
+@pytest.fixture(scope="module", params=TINY_PRESETS)
 def bf16_dir(request, tmp_path_factory):
     """The preset saved as a bf16 checkpoint, as real MoE checkpoints ship."""
     name = request.param
@@ -53,7 +48,7 @@ def test_bf16_checkpoint_on_packed_kernels_matches_fp32_transformers(bf16_dir):
 # GLM-4.5 too: its router runs on an fp32 copy of the weight there and its shared expert is
 # ungated, neither of which the packed path shares.
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-glm4-moe", "tiny-deepseek-v3",
-                                    "tiny-deepseek-v2"])
+                                    "tiny-deepseek-v2", "tiny-gpt-oss"])
 def test_torch_gemm_path_stays_at_parity(preset, builtin_dir):
     model_dir = builtin_dir(preset)
     engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.02, gemm="torch"),
@@ -62,19 +57,6 @@ def test_torch_gemm_path_stays_at_parity(preset, builtin_dir):
     reference = _hf_generate(_hf_model(model_dir), engine.tokenizer,
                              [PROMPTS[i] for i in INDICES])
     _assert_matches(engine, _subset(reference, INDICES), _requests(INDICES))
-
-
-def test_gpt_oss_takes_the_torch_gemm_path_and_packed_refuses_it(builtin_dir):
-    model_dir = builtin_dir("tiny-gpt-oss")
-    engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.02), dtype="float32")
-    assert engine.gemm == "torch" and engine.attention_impl == "cython"  # sinks, windows
-    assert engine.gemm_path == ("torch float32 (the packed kernels do not compute expert biases "
-                                "or the clamped SwiGLU)")
-    for config in (EngineConfig(threads=2, kv_cache_gb=0.02, gemm="packed"),
-                   EngineConfig(threads=2, kv_cache_gb=0.02, expert_dtype="int8")):
-        with pytest.raises(RuntimeError, match="gpt_oss model: the packed kernels do not "
-                                               "compute expert biases"):
-            LLMEngine(model_dir, config, dtype="float32")
 
 
 def _logits_of(engine, requests, rid):
@@ -92,7 +74,7 @@ def _logits_of(engine, requests, rid):
 
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe",
-                                    "tiny-deepseek-v3", "tiny-deepseek-v2"])
+                                    "tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-gpt-oss"])
 def test_row_logits_are_bitwise_identical_alone_and_in_batches_of_7_and_64(preset, builtin_dir):
     engine = LLMEngine(builtin_dir(preset), EngineConfig(threads=2, kv_cache_gb=0.05,
                                                          num_micro_batches=3))

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_engine.model import packed
+from moe_engine.model import mxfp4, packed
+from moe_engine.model.weights import ExpertWeights, SwigluClamp
 
 pytestmark = pytest.mark.skipif(not packed.HAS_PACKED_KERNELS, reason="kernels not built")
 
@@ -24,10 +25,19 @@ def dequantized(w: torch.Tensor, storage: str) -> torch.Tensor:
     if storage in FLOAT:
         return w.to(FLOAT[storage]).double()
     w = w.double()
+    n, k = w.shape
+    if storage == "mxfp4":
+        # the block's scale: the smallest power of two bringing its largest magnitude within
+        # 6, then each value to the nearest E2M1 value
+        g = w.reshape(n, k // 32, 32)
+        amax = g.abs().amax(dim=2, keepdim=True)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))
+        grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+        mag = grid[((g / scale).abs()[..., None] - grid).abs().argmin(dim=-1)]
+        return (torch.sign(g) * mag * scale).reshape(n, k)
     if storage == "int8":
         scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
         return torch.round(w / scale).clamp(-127, 127) * scale
-    n, k = w.shape
     g = w.reshape(n, k // 32, 32)
     scale = g.abs().amax(dim=2, keepdim=True).clamp_min(1e-12) / 7.0
     return (torch.round(g / scale).clamp(-8, 7) * scale).reshape(n, k)
@@ -36,6 +46,7 @@ def dequantized(w: torch.Tensor, storage: str) -> torch.Tensor:
 def tolerance(storage: str) -> float:
     # fp32 accumulation over k <= 300 of O(0.1) terms; the quantized references round with fp64
     # scales, the kernel with fp32 ones (a last-bit difference of the scale on a few rows).
+    # (mxfp4 scales are powers of two: exact in both)
     return 2e-5 if storage in FLOAT else 2e-4
 
 
@@ -57,10 +68,10 @@ def _experts(num: int, hidden: int, inter: int, storage: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = [torch.randn(2 * inter, hidden, generator=g) * 0.1 for _ in range(num)]
     w2 = [torch.randn(hidden, inter, generator=g) * 0.1 for _ in range(num)]
-    return w13, w2, [packed.pack_expert(a, b, storage) for a, b in zip(w13, w2)]
+    return w13, w2, [packed.pack_expert(ExpertWeights(a, b), storage) for a, b in zip(w13, w2)]
 
 
-def _moe_reference(w13, w2, storage, h, weights, indices):
+def _moe_reference(w13, w2, storage, h, weights, indices, b13=None, b2=None, clamp=None):
     out = torch.zeros(h.shape, dtype=torch.float64)
     inter = w2[0].shape[1]
     for e in range(len(w13)):
@@ -68,9 +79,18 @@ def _moe_reference(w13, w2, storage, h, weights, indices):
         if len(tok) == 0:
             continue
         gu = h[tok].double() @ dequantized(w13[e], storage).T
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]
-        out.index_add_(0, tok, weights[tok, slot].double()[:, None]
-                       * (act @ dequantized(w2[e], storage).T))
+        if b13 is not None:
+            gu = gu + b13[e].double()
+        gate, up = gu[:, :inter], gu[:, inter:]
+        if clamp is None:
+            act = F.silu(gate) * up
+        else:  # GPT-OSS, as transformers writes it
+            gate, up = gate.clamp(max=clamp.limit), up.clamp(-clamp.limit, clamp.limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * clamp.alpha))
+        y = act @ dequantized(w2[e], storage).T
+        if b2 is not None:
+            y = y + b2[e].double()
+        out.index_add_(0, tok, weights[tok, slot].double()[:, None] * y)
     return out
 
 
@@ -78,8 +98,9 @@ def _moe_reference(w13, w2, storage, h, weights, indices):
 @pytest.mark.parametrize("storage", packed.STORAGE_DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_moe_ffn_matches_fp64_reference(isa, storage, tokens):
-    # int4 groups inputs by 32, so its sizes are multiples of 32; the others take odd sizes.
-    hidden, inter = (96, 64) if storage == "int4" else (72, 40)
+    # int4 and mxfp4 group inputs by 32, so their sizes are multiples of 32; the others take
+    # odd sizes.
+    hidden, inter = (96, 64) if storage in packed.NIBBLE_STORAGE else (72, 40)
     w13, w2, experts = _experts(6, hidden, inter, storage)
     torch.manual_seed(tokens)
     h = torch.randn(tokens, hidden)
@@ -89,6 +110,75 @@ def test_moe_ffn_matches_fp64_reference(isa, storage, tokens):
     out = packed.packed_moe_ffn(experts, h, weights, indices, isa=isa, threads=2)
     ref = _moe_reference(w13, w2, storage, h, weights, indices)
     assert (out.double() - ref).abs().max().item() < tolerance(storage)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("storage", packed.STORAGE_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 17, 333])
+def test_gpt_oss_experts_biases_and_clamped_swiglu(isa, storage, tokens):
+    """GPT-OSS's experts on the kernel: gate|up and down biases, the clamped SwiGLU (limit
+    small enough that both clamps bite)."""
+    hidden, inter = (96, 64) if storage in packed.NIBBLE_STORAGE else (72, 40)
+    clamp = SwigluClamp(alpha=1.702, limit=0.3)
+    g = torch.Generator().manual_seed(7)
+    w13 = [torch.randn(2 * inter, hidden, generator=g) * 0.1 for _ in range(5)]
+    w2 = [torch.randn(hidden, inter, generator=g) * 0.1 for _ in range(5)]
+    b13 = [torch.randn(2 * inter, generator=g) * 0.2 for _ in range(5)]
+    b2 = [torch.randn(hidden, generator=g) * 0.2 for _ in range(5)]
+    experts = [packed.pack_expert(ExpertWeights(*ws, b13=bs[0], b2=bs[1], clamp=clamp), storage)
+               for ws, bs in zip(zip(w13, w2), zip(b13, b2))]
+    torch.manual_seed(tokens)
+    h = torch.randn(tokens, hidden)
+    indices = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2)
+    out = packed.packed_moe_ffn(experts, h, weights, indices, isa=isa, threads=2)
+    ref = _moe_reference(w13, w2, storage, h, weights, indices, b13, b2, clamp)
+    assert (out.double() - ref).abs().max().item() < tolerance(storage)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_rows_as_loaded_pack_without_requantizing(isa):
+    """An expert in the checkpoint's MXFP4 (byte-packed codes + E8M0 scales, as the loader
+    keeps it) packs to the same panels as quantizing its values, computes transformers'
+    dequantization of it, and packs to other storages through its values."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(3)
+    hidden, inter = 64, 96
+    w13 = torch.randn(2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(hidden, inter, generator=g) * 0.1
+    (c13, s13), (c2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+    rows = ExpertWeights(mxfp4.pack_codes(c13), mxfp4.pack_codes(c2), s13=s13, s2=s2)
+    # transformers reads blocks [E, rows, k/32, 16] and scales [E, rows, k/32], returns [E, k, rows]
+    hf13 = convert_moe_packed_tensors(rows.w13.reshape(1, 2 * inter, hidden // 32, 16),
+                                      s13[None], dtype=torch.float32)[0].T
+    assert torch.equal(hf13, mxfp4.dequantize(rows.w13, s13))
+    assert torch.equal(hf13.double(), dequantized(w13, "mxfp4"))
+    direct = packed.pack_expert(rows, "mxfp4")
+    via_values = packed.pack_expert(ExpertWeights(w13, w2), "mxfp4")
+    for a, b in zip(direct.tensors(), via_values.tensors()):
+        assert torch.equal(a, b)
+    h, idx, wts = torch.randn(9, hidden), torch.zeros(9, 1, dtype=torch.int64), torch.ones(9, 1)
+    out = packed.packed_moe_ffn([direct], h, wts, idx, isa=isa)
+    ref = _moe_reference([w13], [w2], "mxfp4", h, wts, idx)
+    assert (out.double() - ref).abs().max().item() < tolerance("mxfp4")
+    as_bf16 = packed.pack_expert(rows, "bf16")
+    ref_bf16 = packed.pack_expert(ExpertWeights(mxfp4.dequantize(rows.w13, s13),
+                                                mxfp4.dequantize(rows.w2, s2)), "bf16")
+    assert all(torch.equal(a, b) for a, b in zip(as_bf16.tensors(), ref_bf16.tensors()))
+
+
+def test_mxfp4_quantize_round_trips_its_own_values():
+    """Values already on the MXFP4 grid quantize to themselves (and codes pack losslessly)."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (8, 2), generator=g, dtype=torch.uint8)
+    codes[:, ::32] = 7  # every block holds a 6, so its scale is the one it was made with
+    values = mxfp4.decode(codes, scales)
+    q, s = mxfp4.quantize(values)
+    assert torch.equal(s, scales)
+    assert torch.equal(mxfp4.decode(q, s), values)
+    assert torch.equal(mxfp4.unpack_codes(mxfp4.pack_codes(codes)), codes)
 
 
 def test_moe_ffn_rejects_an_absent_expert():

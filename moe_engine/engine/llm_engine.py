@@ -388,10 +388,4 @@ def _gemm_impl(config: EngineConfig, spec: ModelSpec) -> tuple[str, Optional[str
             raise RuntimeError("engine.gemm=packed (or quantized experts) needs the packed CPU "
                                "kernels, which are not built (python setup.py build_ext --inplace)")
         return "torch", None
-    if spec.expert_features:
-        reason = f"the packed kernels do not compute {' or '.join(spec.expert_features)}"
-        if gemm is GemmImpl.packed or quantized:
-            raise RuntimeError(f"engine.gemm=packed (or quantized experts) on a {spec.model_type} "
-                               f"model: {reason}; use engine.gemm=auto or torch")
-        return "torch", reason
     return "packed", None

@@ -8,9 +8,11 @@ one FMA chain over k in order: a row's result does not depend on the rows beside
 
 Layouts are described in kernels_cy/moe_isa.h; this module builds them with torch ops:
 - `pack_linear(w)` -> PackedLinear for a dense projection or the LM head (y = x @ w.T + b);
-- `pack_expert(w13, w2)` -> ExpertWeights whose w13/w2 are packed tensors [P, K, 32] (3-D: that
+- `pack_expert(mlp)` -> ExpertWeights whose w13/w2 are packed tensors [P, K, 32] (3-D: that
   shape is how the layers tell a packed expert from a row-major one), gate and up interleaved
-  per panel so that the kernel applies SiLU(gate) * up on its register tile.
+  per panel so that the kernel applies SiLU(gate) * up (or GPT-OSS's clamped form, with its
+  biases) on its register tile. An MXFP4 expert as loaded (model/mxfp4.py) is packed from its
+  codes, never widened.
 The ISA build is chosen once, at import, from CPUID (`ISA`); `MOE_BATCH_ISA=avx2|avx512|generic`
 forces one the CPU supports (benchmarks and tests), and every function takes `isa=` too.
 """
@@ -22,22 +24,23 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_engine.model import mxfp4
 from moe_engine.model.kernel_import import import_kernel
-from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, MlaWeights,
-                                      ModelWeights)
+from moe_engine.model.weights import ExpertWeights, LayerWeights, MlaWeights, ModelWeights
 
 # None when not built: the engine keeps torch's GEMMs
 _ext = import_kernel("moe_engine._kernels.packed_gemm")
 
 HAS_PACKED_KERNELS: bool = _ext is not None
 NR = 32  # output columns per panel (moe_isa.h MOE_NR)
-I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP)
-STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP); MXFP4's blocks are as wide
+STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4")
+NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 32 inputs
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                  "int8": torch.int8, "int4": torch.uint8}
+                  "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8}
 _CODES = ({"fp32": _ext.W_F32, "bf16": _ext.W_BF16, "fp16": _ext.W_F16, "int8": _ext.W_I8,
-           "int4": _ext.W_I4} if _ext is not None else {})
+           "int4": _ext.W_I4, "mxfp4": _ext.W_FP4} if _ext is not None else {})
 _ISA_CODES = {name: code for code, name in _ext.ISA_NAMES.items()} if _ext is not None else {}
 
 
@@ -71,8 +74,9 @@ def storage_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A [n, k] weight in panel layout: `data` [P, k, 32] (int4: [P, k, 16] bytes), `scale`
-    for int8 ([P*32]) and int4 ([P, k/32, 32]), None for float storage."""
+    """A [n, k] weight in panel layout: `data` [P, k, 32] (int4, mxfp4: [P, k, 16] bytes),
+    `scale` for int8 ([P*32] fp32), int4 ([P, k/32, 32] fp32) and mxfp4 ([P, k/32, 32] E8M0
+    bytes), None for float storage."""
 
     data: torch.Tensor
     scale: Optional[torch.Tensor]
@@ -94,9 +98,12 @@ class PackedLinear:
 
 def _quantize(w: torch.Tensor, storage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Row-major [n, k] weight in its storage dtype plus scales (per output row for int8, per
-    row and group of 32 inputs for int4), symmetric, from the fp32 values."""
+    row and group of 32 inputs for int4 and mxfp4), symmetric, from the fp32 values; int4 and
+    mxfp4 give one code a byte."""
     if storage in ("fp32", "bf16", "fp16"):
         return w.to(_TORCH_STORAGE[storage]), None
+    if storage == "mxfp4":
+        return mxfp4.quantize(w)
     wf = w.float()
     if storage == "int8":
         scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
@@ -127,12 +134,14 @@ def _panels(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
     if storage == "bf16":
         # word i of a k-row = (column i, column 16+i): interleave the two halves
         panels = torch.stack([panels[..., :16], panels[..., 16:]], dim=-1).reshape(p, k, NR)
-    elif storage == "int4":
+    elif storage in NIBBLE_STORAGE:
         lo, hi = panels[..., :16], panels[..., 16:]
         panels = lo | (hi << 4)  # [P, k, 16] bytes
-    if scale is not None and storage == "int4":
+    if scale is not None and storage in NIBBLE_STORAGE:
         scale = scale.reshape(p, NR, k // I4_GROUP).transpose(1, 2)  # [P, k/32, 32]
-    return panels.contiguous(), (scale.float().contiguous() if scale is not None else None)
+    if scale is not None and storage != "mxfp4":  # MXFP4 keeps its E8M0 bytes
+        scale = scale.float()
+    return panels.contiguous(), (scale.contiguous() if scale is not None else None)
 
 
 def _pack_rows(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
@@ -165,14 +174,44 @@ def _gate_up_rows(w13: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1) if flat else out
 
 
-def pack_expert(w13: torch.Tensor, w2: torch.Tensor, storage: str) -> ExpertWeights:
-    """A SwiGLU MLP (w13 = [gate; up] [2I, H], w2 = down [H, I]) packed for `packed_moe_ffn`.
-    Quantized storage scales each row as a whole, before the gate/up reorder."""
-    q13, s13 = _quantize(w13, storage)
+def is_mxfp4_rows(mlp: ExpertWeights) -> bool:
+    """Whether `mlp` is an MXFP4 expert as loaded: row-major byte-packed codes (w13 [2I, H/2],
+    w2 [H, I/2] uint8) with E8M0 scales (s13 [2I, H/32], s2 [H, I/32])."""
+    return mlp.w13.dtype == torch.uint8 and mlp.w13.dim() == 2
+
+
+def _quantized_rows(w: torch.Tensor, s: Optional[torch.Tensor], mxfp4_rows: bool,
+                    storage: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One projection of an expert as `storage` codes/values plus scales, row-major. MXFP4
+    rows go to mxfp4 storage as they are (unpacked to a code a byte, one projection at a time),
+    and to any other storage through their fp32 values."""
+    if not mxfp4_rows:
+        return _quantize(w, storage)
+    codes = mxfp4.unpack_codes(w)
+    if storage == "mxfp4":
+        return codes, s
+    return _quantize(mxfp4.decode(codes, s), storage)
+
+
+def _padded(v: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([v, v.new_zeros(n - v.numel())]) if v.numel() < n else v
+
+
+def pack_expert(mlp: ExpertWeights, storage: str) -> ExpertWeights:
+    """A SwiGLU MLP (w13 = [gate; up] [2I, H], w2 = down [H, I], or MXFP4 rows) packed for
+    `packed_moe_ffn`, biases (fp32, in packed column order, padded to whole panels) and clamp
+    kept. Quantized storage scales each row as a whole, before the gate/up reorder."""
+    rows = is_mxfp4_rows(mlp)
+    q13, s13 = _quantized_rows(mlp.w13, mlp.s13, rows, storage)
     p13, s13 = _pack_rows(_gate_up_rows(q13), _gate_up_rows(s13) if s13 is not None else None,
                           storage)
-    p2, s2 = _pack_rows(*_quantize(w2, storage), storage)
-    return ExpertWeights(p13, p2, s13=s13, s2=s2)
+    p2, s2 = _pack_rows(*_quantized_rows(mlp.w2, mlp.s2, rows, storage), storage)
+    b13 = b2 = None
+    if mlp.b13 is not None:
+        b13 = _padded(_gate_up_rows(mlp.b13.float()), p13.shape[0] * NR).contiguous()
+    if mlp.b2 is not None:
+        b2 = _padded(mlp.b2.float(), p2.shape[0] * NR).contiguous()
+    return ExpertWeights(p13, p2, s13=s13, s2=s2, b13=b13, b2=b2, clamp=mlp.clamp)
 
 
 def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> ModelWeights:
@@ -183,32 +222,29 @@ def pack_model(weights: ModelWeights, storage: str, expert_storage: str) -> Mode
     in fp32. The embedding stays as loaded (rows are gathered, then widened). Layers are
     converted one at a time and dropped from `weights`, so peak memory is the model plus one
     layer."""
-    def small(t: torch.Tensor) -> torch.Tensor:
-        return t.float()
+    def small(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return t.float() if t is not None else None
 
     def fp32(t: Optional[torch.Tensor]) -> Optional[PackedLinear]:
         return pack_linear(t.float(), "fp32") if t is not None else None
 
     def mlp(x: Optional[ExpertWeights]) -> Optional[ExpertWeights]:
-        return pack_expert(x.w13, x.w2, storage) if x is not None else None
+        return pack_expert(x, storage) if x is not None else None
 
     layers = []
     for i, layer in enumerate(weights.layers):
         d = layer.dense
-        dense = DenseLayerWeights(
-            input_norm=small(d.input_norm), post_norm=small(d.post_norm),
+        # replace(): a field added to DenseLayerWeights and not listed here is kept, not lost
+        dense = replace(
+            d, input_norm=small(d.input_norm), post_norm=small(d.post_norm),
             wqkv=pack_linear(d.wqkv, storage), wo=pack_linear(d.wo, storage),
-            router=fp32(d.router),
-            bqkv=small(d.bqkv) if d.bqkv is not None else None,
-            bo=small(d.bo) if d.bo is not None else None,
-            q_norm=small(d.q_norm) if d.q_norm is not None else None,
-            k_norm=small(d.k_norm) if d.k_norm is not None else None,
-            mlp=mlp(d.mlp), shared_expert=mlp(d.shared_expert),
+            router=fp32(d.router), bqkv=small(d.bqkv), bo=small(d.bo), q_norm=small(d.q_norm),
+            k_norm=small(d.k_norm), mlp=mlp(d.mlp), shared_expert=mlp(d.shared_expert),
             shared_expert_gate=fp32(d.shared_expert_gate),
-            score_correction_bias=(small(d.score_correction_bias)
-                                   if d.score_correction_bias is not None else None),
+            score_correction_bias=small(d.score_correction_bias), sinks=small(d.sinks),
+            router_bias=small(d.router_bias),
             mla=_pack_mla(d.mla, storage) if d.mla is not None else None)
-        layers.append(LayerWeights(dense, [pack_expert(x.w13, x.w2, expert_storage)
+        layers.append(LayerWeights(dense, [pack_expert(x, expert_storage)
                                            if x is not None else None  # on disk
                                            for x in layer.experts]))
         weights.layers[i] = None  # the unpacked layer can go now
@@ -233,7 +269,7 @@ def is_packed(expert: ExpertWeights) -> bool:
 
 def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
     if data.dtype == torch.uint8:
-        return "int4"
+        return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "int4"
     if data.dtype == torch.int8:
         return "int8"
     return storage_name(data.dtype)
@@ -295,14 +331,19 @@ def _expert_table(experts: list[Optional[ExpertWeights]]) -> torch.Tensor:
     rows = []
     for x in experts:
         if x is None:
-            rows.append([0] * 10)
+            rows.append([0] * _ext.TABLE_COLUMNS)
             continue
         if not is_packed(x):
             raise ValueError("moe_ffn on the packed kernels needs every expert packed")
         p13, k13, p2, k2 = x.w13.shape[0], x.w13.shape[1], x.w2.shape[0], x.w2.shape[1]
+        for bias, width in ((x.b13, p13 * NR), (x.b2, p2 * NR)):
+            if bias is not None and (bias.dtype != torch.float32 or bias.numel() != width
+                                     or not bias.is_contiguous()):
+                raise ValueError("packed expert biases must be fp32 [panels * 32] (pack_expert)")
         rows.append([x.w13.data_ptr(), _ptr(x.s13), p13 * NR, k13,
                      _CODES[_storage_of(x.w13, x.s13)],
-                     x.w2.data_ptr(), _ptr(x.s2), p2 * NR, k2, _CODES[_storage_of(x.w2, x.s2)]])
+                     x.w2.data_ptr(), _ptr(x.s2), p2 * NR, k2, _CODES[_storage_of(x.w2, x.s2)],
+                     _ptr(x.b13), _ptr(x.b2)])
     return torch.tensor(rows, dtype=torch.int64)
 
 
@@ -326,8 +367,11 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
     iwork = torch.empty(max(niwork, 1), dtype=torch.int32)
     out = torch.empty(t, hidden, dtype=torch.float32)
     table = _expert_table(experts)
+    clamp = present.clamp
+    glu = _ext.GLU_CLAMPED if clamp is not None else _ext.GLU_SILU
     _ext.moe_ffn(h.data_ptr(), t, hidden, idx.data_ptr(), rw.data_ptr(), top_k, table.data_ptr(),
-                 len(experts), out.data_ptr(), work.data_ptr(), iwork.data_ptr(), _threads(threads),
+                 len(experts), glu, clamp.alpha if clamp else 0.0, clamp.limit if clamp else 0.0,
+                 out.data_ptr(), work.data_ptr(), iwork.data_ptr(), _threads(threads),
                  isa_code(isa))
     return out
 

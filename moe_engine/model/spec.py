@@ -241,13 +241,6 @@ class ModelSpec:
             ("sliding-window layers", self.num_windowed_layers > 0)) if present)
 
     @cached_property
-    def expert_features(self) -> tuple[str, ...]:
-        """What the experts add to a plain bias-free SwiGLU, by name (see attention_features)."""
-        return tuple(name for name, present in (
-            ("expert biases", self.expert_bias),
-            ("the clamped SwiGLU", self.expert_activation == "clamped_swiglu")) if present)
-
-    @cached_property
     def num_windowed_layers(self) -> int:
         return sum(t == "sliding_attention" for t in self.layer_types)
 

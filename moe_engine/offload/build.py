@@ -173,7 +173,7 @@ def expert_source(model_dir, spec, dtype, expert_storage: Optional[str]) -> Expe
         return ExpertFile.open_or_build(model_dir, spec, dtype, f"rowmajor-{name}", lambda x: x)
 
     def pack(x: ExpertWeights) -> ExpertWeights:
-        return packed.pack_expert(x.w13, x.w2, expert_storage)
+        return packed.pack_expert(x, expert_storage)
 
     fmt = f"packed{packed.NR}-{expert_storage}-from-{name}"
     return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack)
