@@ -53,7 +53,8 @@ class GemmImpl(str, Enum):
 
 
 class ExpertDType(str, Enum):
-    """Storage of the routed experts on the packed path (auto: the model's dtype)."""
+    """Storage of the routed experts on the packed path (auto: as the checkpoint stores them:
+    its dtype, or MXFP4 for GPT-OSS as released)."""
 
     auto = "auto"
     fp32 = "fp32"
@@ -61,6 +62,11 @@ class ExpertDType(str, Enum):
     fp16 = "fp16"
     int8 = "int8"  # per output channel
     int4 = "int4"  # group-wise (32 inputs), Klotski's 4-bit experts
+    mxfp4 = "mxfp4"  # E2M1 codes, a power-of-two scale per 32 inputs (OCP microscaling)
+
+    @property
+    def quantized(self) -> bool:
+        return self in (ExpertDType.int8, ExpertDType.int4, ExpertDType.mxfp4)
 
 
 class PolicySource(str, Enum):
@@ -438,7 +444,7 @@ def validate(cfg: AppConfig) -> None:
     on_cpu = e.backend is DeviceKind.cpu
     _check(not (e.gemm is GemmImpl.packed and not on_cpu), "engine.gemm",
            e.gemm.value, "the packed kernels run on the CPU backend; use auto or torch with cuda")
-    quantized = e.expert_dtype in (ExpertDType.int8, ExpertDType.int4)
+    quantized = e.expert_dtype.quantized
     _check(not (quantized and (e.gemm is GemmImpl.torch or not on_cpu)),
            "engine.expert_dtype", e.expert_dtype.value,
            "quantized experts run on the packed CPU kernels (engine.backend=cpu, engine.gemm "

@@ -79,9 +79,9 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
         "tiny-glm4-moe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
     "olmoe-quantization-config": (
         "tiny-olmoe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config", False),
-    # The released GPT-OSS checkpoints: MXFP4 experts, refused by name until they load.
-    "gpt-oss-mxfp4": ("tiny-gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}},
-                      "MXFP4 experts", False),
+    # MXFP4 (the released checkpoints) loads (tiny-gpt-oss-mxfp4); another method does not.
+    "gpt-oss-fp8": ("tiny-gpt-oss", {"quantization_config": {"quant_method": "fp8"}},
+                    "quantization_config \\(quant_method='fp8'\\): not supported on gpt_oss", False),
     "gpt-oss-unknown-layer-type": (
         "tiny-gpt-oss", {"layer_types": ["chunked_attention", "full_attention", "full_attention"]},
         "layer_types has ['chunked_attention']", False),

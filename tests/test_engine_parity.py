@@ -48,9 +48,17 @@ def model_dir(request, builtin_dir):
 
 
 def _hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the checkpoint in fp32; MXFP4 experts dequantized as transformers
+    does on a machine without its Triton kernels (exactly: E2M1 times a power of two)."""
+    import json
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    quant = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    extra = ({"quantization_config": Mxfp4Config(dequantize=True)}
+             if quant and quant.get("quant_method") == "mxfp4" else {})
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                **extra).eval()
 
 
 @pytest.fixture(scope="module")

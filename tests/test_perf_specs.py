@@ -114,6 +114,21 @@ def test_gpt_oss_reference_configs_match_published_total_and_active_counts(name,
     assert (m.active_params + unembedding) / 1e9 == pytest.approx(active, rel=0.01)
 
 
+@pytest.mark.parametrize("name, lo_gb, hi_gb", [("gpt-oss-20b", 12, 16), ("gpt-oss-120b", 60, 80)])
+def test_gpt_oss_reference_configs_are_sized_in_mxfp4_as_released(name, lo_gb, hi_gb):
+    """The released checkpoints keep the experts in MXFP4 (4-bit codes and an E8M0 byte per 32)
+    and the rest in bf16: the model card's 20b runs within 16 GB, the 120b fits one 80 GB GPU."""
+    m = reference_model(name)
+    assert m.expert_storage == "mxfp4"
+    assert m.expert_bytes == 3 * 2880 * 2880 * 17 // 32 + (2 * 2880 + 2880) * 2
+    assert lo_gb < m.total_bytes / 1e9 < hi_gb
+    widened = m.with_expert_storage(None)
+    assert widened.total_params == m.total_params
+    # bf16 experts: 16 bits a weight against 4.25
+    assert widened.experts_bytes_per_layer / m.experts_bytes_per_layer == pytest.approx(16 / 4.25,
+                                                                                         rel=0.01)
+
+
 def test_gpt_oss_biases_sinks_and_windowed_layers():
     m = reference_model("gpt-oss-20b")
     assert m.num_windowed_layers == 12 and m.attention_window(0) == 128

@@ -114,10 +114,10 @@ OTHER_ARCHITECTURES = sorted(p for p in __import__("moe_engine.tools.presets", f
 def test_every_architecture_generates_transformers_greedy_tokens_through_the_workflow(
         tmp_path, preset):
     import torch
-    from transformers import AutoModelForCausalLM
 
     from moe_engine.engine.tokenizer import load_tokenizer
     from moe_engine.tools.presets import builtin_model_key
+    from tests.test_engine_parity import _hf_model
 
     corpus = tmp_path / "prompts.jsonl"
     rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text()
@@ -128,7 +128,7 @@ def test_every_architecture_generates_transformers_greedy_tokens_through_the_wor
     assert merged.height == len(rows) and set(merged["status"].to_list()) == {"ok"}
     model_dir = tmp_path / "resources" / "models" / builtin_model_key(preset, 0, 1)
     tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = _hf_model(model_dir)  # fp32, MXFP4 experts dequantized as transformers does
     for row in merged.iter_rows(named=True):
         ids = tokenizer.encode_prompt(row["prompt"])
         assert row["prompt_tokens"] == len(ids)

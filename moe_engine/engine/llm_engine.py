@@ -30,7 +30,7 @@ from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, kv_pool_blocks
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.spec import ModelSpec, load_spec
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, ModelSpec, load_spec
 from moe_engine.offload.disk import DiskReadError
 from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
 from moe_engine.offload.routing import find_profile
@@ -69,13 +69,23 @@ class LLMEngine:
         # With the disk tier the experts are not loaded here: the host tier is read from disk
         # when the pager is built, the rest on demand.
         rss_before = rss_bytes()
-        weights = load_weights(model_dir, self.spec, self.dtype, experts=not disk_tier)
+        weights = load_weights(model_dir, self.spec, self.dtype, experts=not disk_tier,
+                               keep_quantized=self.gemm == "packed")
         self.expert_storage: Optional[str] = None
         if self.gemm == "packed":
             storage = packed.storage_name(self.dtype)
             experts = ExpertDType(config.expert_dtype)
-            self.expert_storage = storage if experts is ExpertDType.auto else experts.value
+            self.expert_storage = ((self.spec.expert_storage or storage)
+                                   if experts is ExpertDType.auto else experts.value)
             weights = packed.pack_model(weights, storage, self.expert_storage)
+        elif self.spec.expert_storage is not None:
+            log.warning("%s experts widened to %s in memory: torch's GEMMs (engine.gemm=torch or "
+                        "a device backend) have no %s path; the packed CPU kernels run them as "
+                        "stored", self.spec.expert_storage, self.dtype, self.spec.expert_storage)
+        # The spec describes what is held (the performance model and the pager size experts
+        # by it): quantized experts at their storage's bits, widened ones at the dtype.
+        held = self.expert_storage if self.expert_storage in EXPERT_STORAGE_BITS else None
+        self.spec = self.spec.with_expert_storage(held)
         self.weights_bytes = weights.nbytes()
         # What loading cost in RSS (packing leaves allocator slack the tensors do not show):
         # the disk tier sizes its ring against this, not against the tensors' bytes.
@@ -382,7 +392,7 @@ def _gemm_impl(config: EngineConfig, spec: ModelSpec) -> tuple[str, Optional[str
     gemm, experts = GemmImpl(config.gemm), ExpertDType(config.expert_dtype)
     if gemm is GemmImpl.torch or DeviceKind(config.backend) is not DeviceKind.cpu:
         return "torch", None
-    quantized = experts in (ExpertDType.int8, ExpertDType.int4)
+    quantized = experts.quantized
     if not packed.HAS_PACKED_KERNELS:
         if gemm is GemmImpl.packed or quantized:
             raise RuntimeError("engine.gemm=packed (or quantized experts) needs the packed CPU "

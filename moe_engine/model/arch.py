@@ -14,7 +14,10 @@ config may omit). Slots:
   expert: w1 (gate), w3 (up), w2 (down), one tensor per expert
   fused:  gate_up [E, 2*I, H] and down [E, H, I], the layout transformers 5 uses in memory;
           GPT-OSS's: gate_up_interleaved [E, H, 2*I] (gate in the even columns, up in the
-          odd ones) with gate_up_bias_interleaved [E, 2*I], down_t [E, I, H] with down_bias [E, H]
+          odd ones) with gate_up_bias_interleaved [E, 2*I], down_t [E, I, H] with down_bias [E, H];
+          its released MXFP4 checkpoints: gate_up_blocks [E, 2*I, H/32, 16] (gate in the even
+          rows) and gate_up_scales [E, 2*I, H/32], down_blocks [E, H, I/32, 16] and down_scales
+          [E, H, I/32] (model/mxfp4.py)
 """
 from __future__ import annotations
 
@@ -129,6 +132,10 @@ _GPT_OSS_BLOCK = (
     (_L + r"mlp\.experts\.gate_up_proj_bias", "fused", "gate_up_bias_interleaved"),
     (_L + r"mlp\.experts\.down_proj", "fused", "down_t"),
     (_L + r"mlp\.experts\.down_proj_bias", "fused", "down_bias"),
+    (_L + r"mlp\.experts\.gate_up_proj_blocks", "fused", "gate_up_blocks"),
+    (_L + r"mlp\.experts\.gate_up_proj_scales", "fused", "gate_up_scales"),
+    (_L + r"mlp\.experts\.down_proj_blocks", "fused", "down_blocks"),
+    (_L + r"mlp\.experts\.down_proj_scales", "fused", "down_scales"),
 )
 # The hub's bf16 checkpoints and transformers' save_pretrained use the in-memory names.
 GPT_OSS_TABLE = _COMMON + _ATTENTION_BIAS + _GPT_OSS_BLOCK

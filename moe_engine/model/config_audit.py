@@ -157,18 +157,33 @@ def _check_partial_rotary(cfg: Mapping[str, Any], model_type: str) -> Optional[s
     return None
 
 
-def _check_quantization(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+# quantization_config methods the loader reads, by the architectures that ship them: the
+# released GPT-OSS checkpoints keep their experts as *_blocks (packed E2M1) + *_scales (E8M0),
+# everything else in bf16.
+QUANTIZED_EXPERTS = {("gpt_oss", "mxfp4"): "mxfp4"}
+
+
+def _quant_method(cfg: Mapping[str, Any]) -> Optional[str]:
     quant = cfg.get("quantization_config")
     if not quant:
         return None
     method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-    if str(method).lower() == "mxfp4":
-        # The released GPT-OSS checkpoints: experts as *_blocks (packed fp4) + *_scales (e8m0).
-        return ("quantization_config (quant_method='mxfp4'): MXFP4 experts (gate_up_proj_blocks/"
-                "_scales, down_proj_blocks/_scales) are not loaded yet; load a bf16/fp32 "
-                "checkpoint (e.g. saved by transformers from Mxfp4Config(dequantize=True))")
-    return (f"quantization_config (quant_method={method!r}): quantized weights are not "
-            "supported; load a bf16/fp16/fp32 checkpoint")
+    return str(method).lower()
+
+
+def checkpoint_expert_storage(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    """The storage of the checkpoint's routed experts when its quantization_config is one the
+    loader reads (see QUANTIZED_EXPERTS), else None."""
+    return QUANTIZED_EXPERTS.get((model_type, _quant_method(cfg)))
+
+
+def _check_quantization(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    method = _quant_method(cfg)
+    if method is None or (model_type, method) in QUANTIZED_EXPERTS:
+        return None
+    readable = ", ".join(f"{m} ({t})" for t, m in QUANTIZED_EXPERTS)
+    return (f"quantization_config (quant_method={method!r}): not supported on {model_type} "
+            f"(quantized checkpoints read: {readable}); load a bf16/fp16/fp32 checkpoint")
 
 
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")

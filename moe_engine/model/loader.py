@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from moe_engine.model import mxfp4
 from moe_engine.model.arch import NameTable
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, MlaWeights,
@@ -39,11 +40,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
-                 experts: bool = True) -> ModelWeights:
+                 experts: bool = True, keep_quantized: bool = False) -> ModelWeights:
     """Read every tensor through the architecture's name table, cast to `dtype`, fuse projections.
 
     experts=False leaves every routed expert on disk (None in its layer, never read): the disk
     tier (offload/disk_tier.py) reads them itself, so a model larger than memory loads.
+    Experts a checkpoint stores quantized (spec.expert_storage: MXFP4) stay so with
+    keep_quantized (the packed kernels compute on them, model/packed.py); without it they are
+    dequantized to `dtype` (torch's GEMMs have no MXFP4), one expert at a time.
     """
     model_dir = Path(model_dir)
     table = NameTable(spec.architecture)
@@ -60,9 +64,11 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
                 if m is None or (m.layer is not None and m.layer >= spec.num_layers) or \
                         (not experts and m.scope in ("expert", "fused")):
                     continue
-                # transformers keeps the score-correction bias in fp32 in every dtype.
-                t = f.get_tensor(name).to(torch.float32 if m.slot == "score_correction_bias"
-                                          else dtype)
+                t = f.get_tensor(name)
+                # transformers keeps the score-correction bias in fp32 in every dtype; MXFP4
+                # codes and scales are bytes, not values.
+                if t.is_floating_point():
+                    t = t.to(torch.float32 if m.slot == "score_correction_bias" else dtype)
                 if m.scope == "global":
                     glob[m.slot] = t
                 elif m.scope == "layer":
@@ -81,6 +87,8 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
         lm_head = glob["embed"]
     clamp = expert_clamp(spec)
     expert_slots = {"w1", "w2", "w3"} | ({"b1", "b2", "b3"} if spec.expert_bias else set())
+    if spec.expert_storage == "mxfp4":
+        expert_slots |= {"s1", "s2", "s3"}
     layers = []
     for i in range(spec.num_layers):
         dense = _dense_layer(layer[i], spec, i, model_dir)
@@ -92,7 +100,9 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
             x = expert.get((i, e), {})
             if not expert_slots <= x.keys():
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete")
-            routed.append(swiglu_weights(x, clamp=clamp))
+            mlp = swiglu_weights(x, clamp=clamp)
+            routed.append(mlp if keep_quantized else dequantized(mlp, dtype))
+            expert.pop((i, e), None)  # the codes of one expert at a time, not two copies
         layers.append(LayerWeights(dense, routed))
     return ModelWeights(embed=glob["embed"], final_norm=glob["final_norm"], lm_head=lm_head,
                         layers=layers)
@@ -185,13 +195,26 @@ def _mla(d: dict[str, torch.Tensor], spec: ModelSpec) -> MlaWeights:
 def swiglu_weights(d: dict[str, torch.Tensor], prefix: str = "",
                    clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
     """Fuse gate (w1) and up (w3) of the MLP whose slots start with `prefix`, and their
-    biases (b1, b3) where it has them."""
-    b13 = (torch.cat([d[prefix + "b1"], d[prefix + "b3"]]).contiguous()
-           if prefix + "b1" in d else None)
-    return ExpertWeights(w13=torch.cat([d[prefix + "w1"], d[prefix + "w3"]], dim=0).contiguous(),
-                         w2=d[prefix + "w2"].contiguous(), b13=b13,
-                         b2=d[prefix + "b2"].contiguous() if prefix + "b2" in d else None,
-                         clamp=clamp)
+    biases (b1, b3) where it has them; MXFP4 codes with their scales (s1, s3, s2)."""
+    def cat(a: str, b: str) -> Optional[torch.Tensor]:
+        if prefix + a not in d:
+            return None
+        return torch.cat([d[prefix + a], d[prefix + b]]).contiguous()
+
+    def one(a: str) -> Optional[torch.Tensor]:
+        return d[prefix + a].contiguous() if prefix + a in d else None
+
+    return ExpertWeights(w13=cat("w1", "w3"), w2=one("w2"), s13=cat("s1", "s3"), s2=one("s2"),
+                         b13=cat("b1", "b3"), b2=one("b2"), clamp=clamp)
+
+
+def dequantized(mlp: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    """An expert as loaded, with MXFP4 weights (uint8 codes + scales) widened to `dtype`."""
+    if mlp.w13.dtype != torch.uint8:
+        return mlp
+    return ExpertWeights(mxfp4.dequantize(mlp.w13, mlp.s13, dtype),
+                         mxfp4.dequantize(mlp.w2, mlp.s2, dtype),
+                         b13=mlp.b13, b2=mlp.b2, clamp=mlp.clamp)
 
 
 def _split_fused(slot: str, t: torch.Tensor, layer: int,
@@ -200,9 +223,11 @@ def _split_fused(slot: str, t: torch.Tensor, layer: int,
         expert[(layer, e)].update(fused_expert_parts(slot, t[e]))
 
 
-# The fused slots of GPT-OSS's experts, all of which an expert needs.
+# The fused slots of GPT-OSS's experts, all of which an expert needs (bf16 or MXFP4).
 INTERLEAVED_SLOTS = frozenset({"gate_up_interleaved", "gate_up_bias_interleaved", "down_t",
                                "down_bias"})
+MXFP4_SLOTS = frozenset({"gate_up_blocks", "gate_up_scales", "gate_up_bias_interleaved",
+                         "down_blocks", "down_scales", "down_bias"})
 
 
 def fused_expert_parts(slot: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -225,4 +250,15 @@ def fused_expert_parts(slot: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"w2": t.T.contiguous()}
     if slot == "down_bias":
         return {"b2": t.clone()}
+    # MXFP4 (GPT-OSS as released): rows are output channels, gate in the even ones; blocks
+    # [rows, k/32, 16] flatten to the row-major [rows, k/2] bytes model/mxfp4.py reads.
+    if slot == "gate_up_blocks":
+        return {"w1": t[0::2].reshape(t.shape[0] // 2, -1).contiguous(),
+                "w3": t[1::2].reshape(t.shape[0] // 2, -1).contiguous()}
+    if slot == "gate_up_scales":
+        return {"s1": t[0::2].contiguous(), "s3": t[1::2].contiguous()}
+    if slot == "down_blocks":
+        return {"w2": t.reshape(t.shape[0], -1).contiguous()}
+    if slot == "down_scales":
+        return {"s2": t.clone()}
     return {"w2": t.clone()}

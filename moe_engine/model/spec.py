@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from moe_engine.model.arch import UnsupportedArchitectureError, architecture, architecture_name
-from moe_engine.model.config_audit import (layer_types, refuse_unhonoured_fields, rope_parameters,
-                                           rope_type, sliding_window)
+from moe_engine.model.config_audit import (checkpoint_expert_storage, layer_types,
+                                           refuse_unhonoured_fields, rope_parameters, rope_type,
+                                           sliding_window)
 
 GB = 1e9
 
@@ -23,6 +24,10 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "f
                "half": 2, "fp16": 2, "float8_e4m3fn": 1, "int8": 1}
 # The dtype `with_dtype_bytes` picks for a width (the sizes only depend on the width).
 _DTYPE_OF_WIDTH = {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}
+# Bits per routed-expert weight in a quantized storage, scales included (model/packed.py):
+# MXFP4 4-bit codes + an E8M0 byte per 32; int4 + an fp32 scale per 32; int8 + an fp32 scale
+# per output row (~0 bits per weight at real widths).
+EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0}
 
 
 class UnsupportedModelError(UnsupportedArchitectureError):
@@ -171,6 +176,9 @@ class ModelSpec:
     # RoPE pairs dims (2i, 2i+1) (DeepSeek's rope_interleave, V2's complex rotation) instead of
     # (i, i + rotary_dim/2).
     rope_interleave: bool = False
+    # Routed experts stored quantized (EXPERT_STORAGE_BITS: "mxfp4" from a checkpoint's
+    # quantization_config, "int8"/"int4" from engine.expert_dtype); None: in torch_dtype.
+    expert_storage: Optional[str] = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -192,6 +200,9 @@ class ModelSpec:
         if groups > 1 and self.router_group_score == "top2_sum" and per_group < 2:
             raise ValueError(f"n_group={groups}: a group scored by its two best experts needs "
                              "at least two experts")
+        if self.expert_storage is not None and self.expert_storage not in EXPERT_STORAGE_BITS:
+            raise ValueError(f"expert storage {self.expert_storage!r}: expected one of "
+                             f"{sorted(EXPERT_STORAGE_BITS)} or None")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.expert_activation!r}: expected one of "
                              f"{EXPERT_ACTIVATIONS}")
@@ -280,6 +291,10 @@ class ModelSpec:
         """The same shapes stored at another width (what-if sizing)."""
         return self.with_dtype(_DTYPE_OF_WIDTH[dtype_bytes])
 
+    def with_expert_storage(self, storage: Optional[str]) -> "ModelSpec":
+        """The same model with its routed experts stored in `storage` (None: torch_dtype)."""
+        return replace(self, expert_storage=storage)
+
     @cached_property
     def v_head_dim(self) -> int:
         return self.mla.v_head_dim if self.mla else self.head_dim
@@ -340,6 +355,16 @@ class ModelSpec:
         return 3 * self.hidden_size * self.intermediate_size + bias
 
     @cached_property
+    def expert_bytes(self) -> int:
+        """One routed expert's bytes as the engine holds it: weights in expert_storage (or the
+        dtype), biases in the dtype."""
+        if self.expert_storage is None:
+            return self.expert_params * self.dtype_bytes
+        weights = 3 * self.hidden_size * self.intermediate_size
+        bits = EXPERT_STORAGE_BITS[self.expert_storage]
+        return int(weights * bits / 8) + (self.expert_params - weights) * self.dtype_bytes
+
+    @cached_property
     def router_params(self) -> int:
         """Router weight, plus its score-correction bias (stored in fp32 by the checkpoints,
         counted at the model's width here) or its GEMM bias (GPT-OSS): E values per layer."""
@@ -365,8 +390,12 @@ class ModelSpec:
         return self.num_experts * self.expert_params
 
     @cached_property
+    def experts_bytes_per_layer(self) -> int:
+        return self.num_experts * self.expert_bytes
+
+    @cached_property
     def moe_layer_bytes(self) -> int:
-        return (self.dense_params_per_layer + self.experts_params_per_layer) * self.dtype_bytes
+        return self.dense_params_per_layer * self.dtype_bytes + self.experts_bytes_per_layer
 
     @cached_property
     def dense_layer_bytes(self) -> int:
@@ -396,7 +425,11 @@ class ModelSpec:
 
     @cached_property
     def total_params(self) -> int:
-        return self.total_bytes // self.dtype_bytes
+        moe = self.dense_params_per_layer + self.experts_params_per_layer
+        dense = self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size
+        tables = 1 if self.tie_word_embeddings else 2
+        return (self.num_moe_layers * moe + self.num_dense_layers * dense
+                + tables * self.vocab_size * self.hidden_size + self.hidden_size)
 
     @cached_property
     def kv_bytes_per_token_layer(self) -> int:
@@ -589,6 +622,7 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         swiglu_limit=float(own.get("swiglu_limit", 7.0)),
         mla=mla,
         rope_interleave=bool(own.get("rope_interleave", False)),
+        expert_storage=checkpoint_expert_storage(cfg, arch.model_type),
     )
 
 

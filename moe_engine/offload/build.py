@@ -175,8 +175,10 @@ def expert_source(model_dir, spec, dtype, expert_storage: Optional[str]) -> Expe
     def pack(x: ExpertWeights) -> ExpertWeights:
         return packed.pack_expert(x, expert_storage)
 
-    fmt = f"packed{packed.NR}-{expert_storage}-from-{name}"
-    return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack)
+    # A quantized checkpoint's experts (MXFP4) reach `pack` as stored, never widened.
+    source_form = spec.expert_storage or name
+    fmt = f"packed{packed.NR}-{expert_storage}-from-{source_form}"
+    return ExpertFile.open_or_build(model_dir, spec, dtype, fmt, pack, keep_quantized=True)
 
 
 def _step_state_bytes(runner: ModelRunner, settings: OffloadSettings) -> int:

@@ -30,8 +30,8 @@ import torch
 
 from moe_engine.io import atomic_path, default_cache_dir, exclusive_lock, write_text_atomic
 from moe_engine.model.arch import NameTable
-from moe_engine.model.loader import (INTERLEAVED_SLOTS, expert_clamp, fused_expert_parts,
-                                     safetensors_files, swiglu_weights)
+from moe_engine.model.loader import (INTERLEAVED_SLOTS, MXFP4_SLOTS, dequantized, expert_clamp,
+                                     fused_expert_parts, safetensors_files, swiglu_weights)
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ExpertWeights, SwigluClamp
 from moe_engine.offload.disk import (DirectReader, DiskRead, Extent, FileIdentity,
@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 EXPERT_FILE_VERSION = 1
 _FIELDS = ("w13", "w2", "s13", "s2", "b13", "b2")
 _TENSOR_ALIGN = 64  # each tensor of an expert starts on a cache line (vector loads)
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# U8: MXFP4 codes and scales
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "U8": torch.uint8}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.int8: "int8", torch.uint8: "uint8"}
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -206,7 +208,7 @@ def expert_tensors(model_dir: str | Path, spec: ModelSpec
                    ) -> dict[tuple[int, int], dict[str, TensorRef]]:
     """(layer, expert) -> {"w1", "w3", "w2"} or {"w13", "w2"} (the fused transformers-5
     layout, whose gate_up[e] already is [gate; up]) byte ranges in the checkpoint, or
-    GPT-OSS's INTERLEAVED_SLOTS (which read_expert converts)."""
+    GPT-OSS's INTERLEAVED_SLOTS or MXFP4_SLOTS (which read_expert converts)."""
     table = NameTable(spec.architecture)
     out: dict[tuple[int, int], dict[str, TensorRef]] = {}
     for path in safetensors_files(Path(model_dir)):
@@ -227,21 +229,26 @@ def expert_tensors(model_dir: str | Path, spec: ModelSpec
         for e in range(spec.num_experts if spec.is_moe_layer(i) else 0):
             got = out.get((i, e), {})
             if not ({"w13", "w2"} <= got.keys() or {"w1", "w3", "w2"} <= got.keys()
-                    or INTERLEAVED_SLOTS <= got.keys()):
+                    or INTERLEAVED_SLOTS <= got.keys() or MXFP4_SLOTS <= got.keys()):
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete "
                                  f"(found {sorted(got)})")
     return out
 
 
 def read_expert(refs: dict[str, TensorRef], dtype: torch.dtype,
-                reader: DirectReader, clamp: Optional[SwigluClamp] = None) -> ExpertWeights:
+                reader: DirectReader, clamp: Optional[SwigluClamp] = None,
+                keep_quantized: bool = False) -> ExpertWeights:
     """An expert's row-major w13 = [gate; up] and w2 from the checkpoint, cast to `dtype`
-    (GPT-OSS's: de-interleaved and transposed as the loader does, with biases and `clamp`)."""
-    if INTERLEAVED_SLOTS <= refs.keys():
-        parts: dict[str, torch.Tensor] = {}
-        for slot in sorted(INTERLEAVED_SLOTS):
-            parts.update(fused_expert_parts(slot, refs[slot].load(reader).to(dtype)))
-        return swiglu_weights(parts, clamp=clamp)
+    (GPT-OSS's: de-interleaved and transposed as the loader does, with biases and `clamp`;
+    MXFP4 codes and scales kept with keep_quantized, else dequantized to `dtype`)."""
+    for slots in (INTERLEAVED_SLOTS, MXFP4_SLOTS):
+        if slots <= refs.keys():
+            parts: dict[str, torch.Tensor] = {}
+            for slot in sorted(slots):
+                t = refs[slot].load(reader)
+                parts.update(fused_expert_parts(slot, t.to(dtype) if t.is_floating_point() else t))
+            mlp = swiglu_weights(parts, clamp=clamp)
+            return mlp if keep_quantized else dequantized(mlp, dtype)
     if "w13" in refs:
         w13 = refs["w13"].load(reader)
     else:
@@ -258,7 +265,7 @@ def checkpoint_source(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype
     to convert them, use an ExpertFile."""
     refs = expert_tensors(model_dir, spec)
     if any(r.dtype != dtype for parts in refs.values() for r in parts.values()):
-        return None
+        return None  # (MXFP4's uint8 codes among them)
     if any(INTERLEAVED_SLOTS & parts.keys() for parts in refs.values()):
         return None
     proto = next(iter(refs.values()))
@@ -302,11 +309,13 @@ class ExpertFile:
     @classmethod
     def open_or_build(cls, model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
                       fmt: str, convert: Callable[[ExpertWeights], ExpertWeights],
-                      cache_dir: Optional[str | Path] = None) -> ExpertSource:
+                      cache_dir: Optional[str | Path] = None,
+                      keep_quantized: bool = False) -> ExpertSource:
         """The expert file of (checkpoint, fmt) under the cache dir, built first if missing.
 
-        `convert` maps a row-major expert in `dtype` to the engine's form of it (packing,
-        quantization); `fmt` names that form in the cache key.
+        `convert` maps a row-major expert in `dtype` (MXFP4 codes and scales as stored, with
+        keep_quantized) to the engine's form of it (packing, quantization); `fmt` names that
+        form in the cache key.
         """
         key = cls.key(model_dir, spec, fmt)
         f = cls(Path(cache_dir or default_cache_dir()) / "experts" / key)
@@ -314,7 +323,7 @@ class ExpertFile:
         # it and read its file (two builds would swap the file under a reader).
         with exclusive_lock(f.directory / ".lock"):
             if not f.index.exists() or not f.data.exists():
-                f._build(model_dir, spec, dtype, fmt, convert)
+                f._build(model_dir, spec, dtype, fmt, convert, keep_quantized)
         return f._source()
 
     def _source(self) -> ExpertSource:
@@ -330,7 +339,8 @@ class ExpertFile:
         return ExpertSource(layout, reads, {path: identity}, "expert-file")
 
     def _build(self, model_dir, spec: ModelSpec, dtype: torch.dtype, fmt: str,
-               convert: Callable[[ExpertWeights], ExpertWeights]) -> None:
+               convert: Callable[[ExpertWeights], ExpertWeights],
+               keep_quantized: bool = False) -> None:
         refs = expert_tensors(model_dir, spec)
         keys = sorted(refs)
         reader = DirectReader()
@@ -343,7 +353,7 @@ class ExpertFile:
                 try:
                     for n, key in enumerate(_progress(keys, "expert file")):
                         expert = convert(read_expert(refs[key], dtype, reader,
-                                                     expert_clamp(spec)))
+                                                     expert_clamp(spec), keep_quantized))
                         layout = layout or ExpertLayout.of(expert)
                         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
                         layout.write(expert, buf)

@@ -183,7 +183,7 @@ def policy_kv_bytes(m: ModelSpec, wl: WorkloadSpec, policy: Policy) -> float:
 def disk_expert_bytes(m: ModelSpec, policy: Policy) -> tuple[float, float]:
     """(bytes left on disk, bytes of the read ring) under r_host: the ring holds two layers of
     disk experts, so a layer's reads land while the previous one computes."""
-    per_layer = (1.0 - policy.host_resident_ratio) * m.experts_params_per_layer * m.dtype_bytes
+    per_layer = (1.0 - policy.host_resident_ratio) * m.experts_bytes_per_layer
     return m.num_moe_layers * per_layer, (2.0 * per_layer if m.num_moe_layers else 0.0)
 
 
@@ -194,7 +194,7 @@ def disk_layer_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: fl
     if r_disk <= 0.0 or not m.num_experts:
         return 0.0
     touched = expected_active_experts(n_tokens, m.num_experts, m.top_k) / m.num_experts
-    return r_disk * touched * m.experts_params_per_layer * m.dtype_bytes / hw.disk_bw
+    return r_disk * touched * m.experts_bytes_per_layer / hw.disk_bw
 
 
 def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> MemoryUse:
@@ -215,7 +215,7 @@ def memory_use(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy,
               + m.embedding_bytes / 2)  # the LM head stays on the device
     host_weights = (1.0 - policy.resident_ratio) * w_total
     if not policy.ffn_on_device:
-        host_weights += m.num_moe_layers * m.experts_params_per_layer * m.dtype_bytes
+        host_weights += m.num_moe_layers * m.experts_bytes_per_layer
     pinned = 2.0 * streamed_layer  # staging pages for the next layer
     host = host_weights - on_disk + ring + (kv - kv_dev) + pinned + m.embedding_bytes / 2
     return MemoryUse(device, host, device_budget(hw, False), host_budget(hw), kv)

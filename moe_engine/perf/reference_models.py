@@ -21,7 +21,13 @@ def _gpt_oss(**sizes: Any) -> dict[str, Any]:
         "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                "beta_slow": 1.0, "truncate": False,
                                                "original_max_position_embeddings": 4096},
-        "vocab_size": 201088, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **sizes,
+        "vocab_size": 201088, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        # as released: the routed experts in MXFP4, the rest (biases included) in bf16
+        "quantization_config": {"quant_method": "mxfp4",
+                                "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                           "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"]},
+        **sizes,
     }
 
 
@@ -93,8 +99,6 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "rope_theta": 1000000, "vocab_size": 151552,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
-    # The released checkpoints store the experts in MXFP4, which the engine refuses
-    # (config_audit): these are the bf16 checkpoints the engine loads, sized at 2 bytes.
     "gpt-oss-20b": _gpt_oss(num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": _gpt_oss(num_hidden_layers=36, num_local_experts=128),
 }

@@ -45,7 +45,7 @@ def attainable_flops(intensity: float, peak_flops: float, bw: float) -> float:
     return min(peak_flops, bw * intensity)
 
 
-def gemm_cost(tokens: float, inp: int, out: int, dtype_bytes: int) -> OpCost:
+def gemm_cost(tokens: float, inp: int, out: int, dtype_bytes: float) -> OpCost:
     """y = x W^T with x [tokens, inp]: 2*tokens*inp*out FLOPs; weights plus activations read."""
     return OpCost(2.0 * tokens * inp * out, (inp * out + tokens * (inp + out)) * dtype_bytes)
 
@@ -177,14 +177,17 @@ def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
     reads its weights once and runs gate/up/down on its share of the tokens."""
     active = expected_active_experts(mu, m.num_experts, m.top_k)
     per_expert = mu * m.top_k / active if active else 0.0
-    t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.intermediate_size, m.dtype_bytes)
+    # Quantized experts (MXFP4, int8/int4) read their storage's bytes per weight (fractional:
+    # no profiled GEMM curve is keyed by it, so the roofline prices them).
+    width = m.expert_bytes / m.expert_params if m.expert_storage else m.dtype_bytes
+    t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.intermediate_size, width)
                   + _OPS_PER_EXPERT * proc.op_overhead_s)
     if m.shared_expert_intermediate_size:
         t += _swiglu_time(proc, mu, m.hidden_size, m.shared_expert_intermediate_size, m.dtype_bytes)
     return t
 
 
-def _swiglu_time(proc: Processor, tokens: float, h: int, inter: int, dtype_bytes: int) -> float:
+def _swiglu_time(proc: Processor, tokens: float, h: int, inter: int, dtype_bytes: float) -> float:
     """Fused gate|up GEMM (h -> 2*inter, one launch, as the engine stores w1|w3) plus down."""
     return proc.gemm(tokens, h, 2 * inter, dtype_bytes) + proc.gemm(tokens, inter, h, dtype_bytes)
 

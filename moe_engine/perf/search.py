@@ -117,8 +117,8 @@ def roofline_points(m: ModelSpec, hw: HardwareSpec, p: Policy, wl: WorkloadSpec,
     mu, n = p.micro_batch_size, p.batch_size
     active = expected_active_experts(mu, m.num_experts, m.top_k)
     ffn_flops_mu = 2.0 * mu * m.top_k * m.expert_params
-    ffn_bytes_mu = active * m.expert_params * m.dtype_bytes
-    streamed = (1.0 - p.resident_ratio) * m.experts_params_per_layer * m.dtype_bytes
+    ffn_bytes_mu = active * m.expert_bytes
+    streamed = (1.0 - p.resident_ratio) * m.experts_bytes_per_layer
     ffn_flops_n = 2.0 * n * m.top_k * m.expert_params
     return {
         "attention_intensity": attn.intensity,
@@ -163,7 +163,7 @@ def _max_host_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Po
     excess = mem.host_bytes - mem.host_budget
     if excess <= 0:
         return 1.0
-    layer = m.experts_params_per_layer * m.dtype_bytes
+    layer = m.experts_bytes_per_layer
     gain = m.num_moe_layers * layer - 2.0 * layer
     if gain <= 0 or not m.num_experts:
         return None

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moe_engine.model import mxfp4
 from moe_engine.io import atomic_path
 from moe_engine.tools.build_tokenizer import write_tokenizer
 from moe_engine.tools.presets import (LLAMA_MLP, PRESETS, MoePreset, builtin_model_key, get_preset,
@@ -170,9 +171,29 @@ def generate_state_dict(preset: MoePreset, seed: int, text_vocab: int) -> dict[s
     g = torch.Generator().manual_seed(seed)
     dtype = _DTYPES[preset.dtype]
     # The score-correction bias is fp32 in every dtype, as the hub's GLM-4.5/DeepSeek-V3 store it.
-    return {name: _init_tensor(kind, shape, preset, g, text_vocab)
-            .to(torch.float32 if kind == "score_bias" else dtype).contiguous()
-            for name, shape, kind in _tensor_shapes(preset)}
+    state = {name: _init_tensor(kind, shape, preset, g, text_vocab)
+             .to(torch.float32 if kind == "score_bias" else dtype).contiguous()
+             for name, shape, kind in _tensor_shapes(preset)}
+    if preset.expert_quantization == "mxfp4":
+        state = _mxfp4_experts(state)
+    return state
+
+
+def _mxfp4_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-OSS's fused experts as its released checkpoints store them: each x @ W weight
+    ([E, in, out]) as `_blocks` [E, out, in/32, 16] (two E2M1 codes a byte, the even input in the
+    low nibble) and `_scales` [E, out, in/32] (E8M0), quantized from the drawn values."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = t
+            continue
+        rows = t.float().transpose(1, 2)  # [E, out, in]
+        e, n, k = rows.shape
+        codes, scales = mxfp4.quantize(rows.reshape(e * n, k))
+        out[name + "_blocks"] = mxfp4.pack_codes(codes).reshape(e, n, k // 32, 16)
+        out[name + "_scales"] = scales.reshape(e, n, k // 32)
+    return out
 
 
 def _layer_of(name: str) -> int:

@@ -64,6 +64,8 @@ class MoePreset:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # GPT-OSS as released: routed experts stored in MXFP4 (blocks + scales, model/mxfp4.py)
+    expert_quantization: Optional[str] = None
 
     @property
     def head_dim(self) -> int:
@@ -225,6 +227,17 @@ _TINY_DEEPSEEK_V3 = MoePreset(
     n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=48,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
+# tiny-gpt-oss (see PRESETS), also stored with MXFP4 experts
+_TINY_GPT_OSS = MoePreset(
+    "GptOssForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
+    vocab_size=8192, tokenizer_vocab_size=8192, explicit_head_dim=32, attention_bias=True,
+    rope_theta=150000.0, sliding_window=8,
+    rope_scaling=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
+                  ("beta_slow", 1.0), ("truncate", False),
+                  ("original_max_position_embeddings", 128)))
+
+
 PRESETS: dict[str, MoePreset] = {
     # CI-sized: every code path of a real Mixtral (GQA 2:1, 8 experts top-2), ~14 MB in fp32.
     # The tokenizer has 8192 tokens: with it the bundled corpus has MTBench-like lengths.
@@ -274,14 +287,11 @@ PRESETS: dict[str, MoePreset] = {
     # than most prompts, so it masks), q/k/v/o biases, q wider than the hidden size, YaRN as
     # GPT-OSS sets it (factor 32, no truncation), a router with a bias whose top-4 logits are
     # softmaxed, experts with biases and the clamped SwiGLU stored fused and interleaved. ~5 MB.
-    "tiny-gpt-oss": MoePreset(
-        "GptOssForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
-        vocab_size=8192, tokenizer_vocab_size=8192, explicit_head_dim=32, attention_bias=True,
-        rope_theta=150000.0, sliding_window=8,
-        rope_scaling=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
-                      ("beta_slow", 1.0), ("truncate", False),
-                      ("original_max_position_embeddings", 128))),
+    "tiny-gpt-oss": _TINY_GPT_OSS,
+    # The same model with its experts stored as the released GPT-OSS checkpoints store them:
+    # MXFP4 blocks and scales (quantized from tiny-gpt-oss's draws), a quantization_config
+    # naming it; attention, router, biases and embeddings stay float. ~4.7 MB.
+    "tiny-gpt-oss-mxfp4": replace(_TINY_GPT_OSS, expert_quantization="mxfp4"),
     "tiny-deepseek-v3": _TINY_DEEPSEEK_V3,
     # DeepSeek-V2's features on the same shapes: latent attention with one full q projection
     # (V2-Lite's), RoPE rotated as complex pairs, a softmax router limited to the best group by
@@ -324,6 +334,11 @@ def hf_config(preset: MoePreset) -> dict:
         config[family.bias_key] = preset.attention_bias
     if family.mla:
         del config["head_dim"]  # the hub's MLA configs have none (heads are nope + rope wide)
+    if preset.expert_quantization == "mxfp4":
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                       "model.embed_tokens", "lm_head"]}
     return config
 
 
