@@ -180,3 +180,20 @@ def test_merge_and_report_stages_load_no_torch(sharded, tiny_mixtral_dir):
                      "--html", tmp / "out" / "report.html") == []
     assert (tmp / "out" / "plots" / "roofline.png").exists()
     assert (tmp / "out" / "summary.json").exists()
+
+
+def test_policy_sizes_the_experts_the_engine_will_hold():
+    """The performance model sizes routed experts as the engine holds them: a quantized
+    expert_dtype, the checkpoint's MXFP4 on the packed CPU path, widened on torch's GEMMs."""
+    from moe_engine.config import compose
+    from moe_engine.stages.policy import held_expert_storage
+
+    def held(overrides, checkpoint):
+        return held_expert_storage(compose(overrides).engine, checkpoint)
+
+    assert held([], "mxfp4") == "mxfp4" and held([], None) is None
+    assert held(["engine.expert_dtype=int4"], None) == "int4"
+    assert held(["engine.expert_dtype=int8"], "mxfp4") == "int8"
+    assert held(["engine.expert_dtype=bf16"], "mxfp4") is None
+    assert held(["engine.gemm=torch"], "mxfp4") is None
+    assert held(["engine.backend=cuda"], "mxfp4") is None

@@ -13,11 +13,11 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import polars as pl
 
-from moe_engine.config import AppConfig, EngineConfig
+from moe_engine.config import AppConfig, DeviceKind, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.io import hardware_cache_dir, write_text_atomic
 from moe_engine.stages.tables import STATUS_PENDING
 
@@ -45,6 +45,7 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     lengths, gen_len = shard_lengths(cfg, shards)
     dtype = cfg.model.dtype.value
     model = perf.ModelSpec.from_hf_config(model_dir, dtype=dtype)
+    model = model.with_expert_storage(held_expert_storage(cfg.engine, model.expert_storage))
     if cfg.hardware.profile == "auto":
         ensure_machine_profile(model, model_dir, dtype)
     hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
@@ -52,6 +53,18 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     result = perf.choose_policy(model, hw, wl, backend=cfg.engine.backend.value)
     chosen = perf.apply_policy(cfg.engine, result)
     return {"source": "search", **result.to_json(), "engine": _knobs(chosen)}
+
+
+def held_expert_storage(engine, checkpoint_storage: Optional[str]) -> Optional[str]:
+    """The quantized storage the engine will hold routed experts in (None: the model dtype), as
+    LLMEngine decides it: a quantized engine.expert_dtype; with auto, the checkpoint's own
+    (MXFP4) on the packed CPU kernels, widened on torch's GEMMs (engine.gemm=torch, a device
+    backend); a float expert_dtype widens."""
+    choice = engine.expert_dtype
+    if choice.quantized:
+        return choice.value
+    packed_path = engine.backend is DeviceKind.cpu and engine.gemm is not GemmImpl.torch
+    return checkpoint_storage if choice is ExpertDType.auto and packed_path else None
 
 
 def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
