@@ -213,3 +213,16 @@ def test_resaved_qwen3_config_with_num_local_experts_parses():
     cfg = dict(REFERENCE_CONFIGS["qwen3-30b-a3b"])
     cfg["num_local_experts"] = cfg.pop("num_experts")
     assert ModelSpec.from_hf_config(cfg).num_experts == 128
+
+
+def test_sliding_layers_attend_their_window_in_the_decode_cost():
+    """GPT-OSS-20B: half its layers attend 128 tokens, whatever the context."""
+    from moe_engine.perf.roofline import decode_attention_cost
+
+    m = reference_model("gpt-oss-20b")
+    assert m.attended_context(100) == 100
+    assert m.attended_context(4096) == pytest.approx((12 * 4096 + 12 * 128) / 24)
+    long, short = decode_attention_cost(m, 8, 4096), decode_attention_cost(m, 8, 128)
+    assert long.local_bytes == pytest.approx(short.local_bytes * (4096 + 128) / 256)
+    mixtral = reference_model("mixtral-8x7b")
+    assert mixtral.attended_context(4096) == 4096 and m.num_windowed_layers == 12

@@ -453,6 +453,16 @@ class ModelSpec:
         block more than it fills."""
         return -(-int(self.sliding_window or 0) // block_size) + 1
 
+    def attended_context(self, ctx: float) -> float:
+        """Cached tokens a decode query attends per layer, averaged over the layers, at
+        context `ctx`: the whole context on full layers, at most the window on sliding ones
+        (GPT-OSS; the decode kernel reads only the window's keys there)."""
+        windowed = self.num_windowed_layers
+        if not windowed:
+            return ctx
+        span = min(ctx, float(self.sliding_window))
+        return ((self.num_layers - windowed) * ctx + windowed * span) / self.num_layers
+
     def kv_bytes_per_sequence(self, tokens: float, block_size: int = 1) -> float:
         """K and V a sequence of `tokens` tokens holds across all layers: every token on the full
         layers, at most its window's blocks on the sliding ones where they are pooled apart."""

@@ -255,7 +255,8 @@ def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens:
         if policy.attention_on_device and not cpu_backend:
             read = policy.kv_device_ratio if policy.kv_read_ratio is None else policy.kv_read_ratio
             g += device_attention_time(m, hw, size, ctx, read)
-            t_link_in += count * (1.0 - policy.kv_device_ratio) * size * ctx * m.kv_bytes_per_token_layer
+            t_link_in += (count * (1.0 - policy.kv_device_ratio) * size * m.attended_context(ctx)
+                          * m.kv_bytes_per_token_layer)
         else:
             c += cpu_attention_time(m, hw, size, ctx)
             t_link_out += count * size * m.qkv_out_features * b  # q/k/v to the host

@@ -201,7 +201,9 @@ def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:
     """Decode attention of `mu` queries over `ctx` cached tokens each (one layer): QK^T and PV are
     2*d FLOPs per (query head, cached token) each; every cached K/V byte is read once per step
     because all query heads of a GQA group share one pass over the cache (MLA: every head over
-    the one latent entry, with its score and value widths)."""
+    the one latent entry, with its score and value widths). Sliding-window layers attend their
+    window only (`ModelSpec.attended_context`, averaged over the layers)."""
+    ctx = m.attended_context(ctx)
     flops = 2.0 * mu * ctx * m.num_heads * sum(m.attention_widths)
     return OpCost(flops, mu * ctx * m.kv_bytes_per_token_layer)
 
