@@ -1,7 +1,8 @@
 """Benchmark (issue 12): the fused MoE expert kernel against torch's F.linear, per token count.
 
 One SwiGLU expert (gate|up GEMM, SiLU x up, down GEMM, routing-weighted output) on T tokens, for
-small-mixtral's expert shape (H 1024, I 3584) and Mixtral-8x7B's (H 4096, I 14336):
+small-mixtral's expert shape (H 1024, I 3584) and Mixtral-8x7B's (H 4096, I 14336), or
+GPT-OSS's (H = I = 2880; `--shapes gpt-oss --storage mxfp4`: its experts as released):
   kernel      moe_engine.model.packed.packed_moe_ffn, weights bf16 (--storage), fp32 activations
   torch fp32  F.linear on fp32 weights (2x the memory of the checkpoint)
   torch bf16  F.linear on the bf16 weights (what a bf16 checkpoint runs through torch)
@@ -13,7 +14,7 @@ Medians of --repeats calls.
   .venv/bin/python bench/expert_ffn.py                      # ~5 minutes on 2 cores
   MOE_BATCH_ISA=avx2 .venv/bin/python bench/expert_ffn.py   # force the AVX2 build
 
-The last line printed is (small-mixtral's shape):
+The last line printed is (the first shape of --shapes):
   RESULT decode_bw_fraction=<weights GB/s at 8 tokens / read roof>
          prefill_flops_fraction=<GFLOP/s at 256 tokens / FMA peak>
          vs_torch_bf16=<median over token counts of torch bf16 time / kernel time>
@@ -38,7 +39,7 @@ from moe_engine.model.weights import ExpertWeights  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
 from moe_engine.tools.profile_hardware import last_level_cache_bytes  # noqa: E402
 
-SHAPES = {"small-mixtral": (1024, 3584), "mixtral-8x7b": (4096, 14336)}
+SHAPES = {"small-mixtral": (1024, 3584), "mixtral-8x7b": (4096, 14336), "gpt-oss": (2880, 2880)}
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -123,7 +124,8 @@ def main() -> None:
     rows = []
     for name in args.shapes.split(","):
         rows += bench_shape(name, *SHAPES[name], tokens, args)
-    small = {r["tokens"]: r for r in rows if r["shape"] == "small-mixtral"}
+    first = args.shapes.split(",")[0]
+    small = {r["tokens"]: r for r in rows if r["shape"] == first}
 
     def at(n: int, key: str) -> float:
         return small[n][key] if n in small else float("nan")
