@@ -1,8 +1,9 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
 Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3/V2,
-GPT-OSS and ERNIE-4.5-MoE numerically (RMSNorm in fp32, router scores in fp32, top-k weights renormalised where the
-spec says so) so fp32 runs match them to rounding; DeepSeek's latent attention is in model/mla.py.
+GPT-OSS and ERNIE-4.5-MoE numerically (RMSNorm in fp32, router scores in fp32, top-k weights
+renormalised where the spec says so) so fp32 runs match them to rounding; DeepSeek's latent
+attention is in model/mla.py.
 Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
@@ -167,10 +168,10 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     """The experts each token goes to and their weights: weights [T, k], experts [T, k].
 
     Scores are the softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2, ERNIE-4.5) or the sigmoid
-    (DeepSeek-V3, GLM-4.5) of the router logits, in fp32. Experts are chosen by top-k over the scores plus
-    `score_correction_bias` where the spec has one, restricted to the best groups where it
-    groups experts (`limit_to_top_groups`); the weights are the chosen experts' un-biased
-    scores, renormalised if the spec says so, times routed_scaling_factor.
+    (DeepSeek-V3, GLM-4.5) of the router logits, in fp32. Experts are chosen by top-k over the
+    scores plus `score_correction_bias` where the spec has one, restricted to the best groups
+    where it groups experts (`limit_to_top_groups`); the weights are the chosen experts'
+    un-biased scores, renormalised if the spec says so, times routed_scaling_factor.
 
     GPT-OSS ("topk_softmax"): the router GEMM has a bias, top-k runs over the logits and the
     weights are the softmax of the k chosen logits.
