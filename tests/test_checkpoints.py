@@ -118,6 +118,12 @@ def test_tiny_presets_have_their_architecture_features(builtin_dir):
     assert (v2.router_scoring, v2.router_score_correction, v2.router_group_score) == \
         ("softmax", False, "max")
     assert v2.router_groups > v2.router_topk_groups and v2.routed_scaling_factor != 1.0
+    ernie = load_spec(builtin_dir("tiny-ernie45-moe"))
+    assert ernie.dense_layers == (0, 3) and ernie.rope_interleave and ernie.rope.theta == 5e5
+    assert ernie.shared_expert_intermediate_size == 2 * ernie.intermediate_size
+    assert (ernie.router_scoring, ernie.router_score_correction, ernie.router_logits_fp32,
+            ernie.router_weights_fp32, ernie.router_norm_min) == ("softmax", True, True, False, 1e-12)
+    assert not ernie.shared_expert_gate and ernie.norm_topk_prob and not ernie.qkv_bias
     for mla in (v3, v2):
         assert mla.shared_expert_intermediate_size == mla.intermediate_size
         assert mla.head_dim == mla.mla.qk_nope_head_dim + mla.mla.qk_rope_head_dim

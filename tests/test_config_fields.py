@@ -98,6 +98,12 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "deepseek-v3-moe-layer-freq": ("tiny-deepseek-v3", {"moe_layer_freq": 2}, "moe_layer_freq=2",
                                    False),
     "deepseek-v2-mlp-bias": ("tiny-deepseek-v2", {"mlp_bias": True}, "mlp_bias=True", False),
+    # One switch for biases on q/k/v/o, the MLPs and the LM head; the checkpoint has none.
+    "ernie45-moe-use-bias": ("tiny-ernie45-moe", {"use_bias": True}, "use_bias=True", False),
+    "ernie45-moe-partial-rotary": (
+        "tiny-ernie45-moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5", False),
+    "ernie45-moe-sliding-window": (
+        "tiny-ernie45-moe", {"sliding_window": 16}, "sliding_window=16", False),
     # transformers' V2 router has no such branch (it fails on its missing weights).
     "deepseek-v2-topk-method-noaux-tc": ("tiny-deepseek-v2", {"topk_method": "noaux_tc"},
                                          "topk_method='noaux_tc'", False),
@@ -186,6 +192,20 @@ HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
         "tiny-deepseek-v3", {"num_nextn_predict_layers": 1, "ep_size": 1, "aux_loss_alpha": 0.001,
                              "seq_aux": True, "scoring_func": "softmax", "topk_method": "greedy"}),
     "deepseek-v3-one-group": ("tiny-deepseek-v3", {"n_group": 1, "topk_group": 1}),
+    # Ernie4_5_MoeConfig's theta (500000) when config.json has none.
+    "ernie45-moe-default-theta": ("tiny-ernie45-moe", {"rope_theta": None}),
+    # Keys of the hub's ERNIE-4.5 configs transformers never reads (its router always adds the
+    # moe_statics bias; the MTP weights are not loaded).
+    "ernie45-moe-hub-keys-not-read": (
+        "tiny-ernie45-moe", {"moe_capacity": [64, 64, 64], "moe_gate": "topk",
+                             "moe_use_aux_free": False, "num_nextn_predict_layers": 1,
+                             "multi_token_pred_lambda": 0.3}),
+    # The transformers 5 spelling of RoPE, and YaRN on interleaved pairs.
+    "ernie45-moe-rope-parameters-yarn": (
+        "tiny-ernie45-moe", {"rope_theta": None,
+                             "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                 "factor": 4.0,
+                                                 "original_max_position_embeddings": 64}}),
     "qwen2-moe-rope-yarn-mscale": (
         "tiny-qwen2-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
                                             "mscale_all_dim": 0.5,

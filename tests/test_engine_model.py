@@ -152,6 +152,69 @@ def test_glm4_moe_checkpoint_saved_by_transformers_loads_completely(tmp_path):
         assert dense.router.dtype == torch.float32  # fp32 router logits, as transformers
 
 
+def test_ernie4_5_moe_checkpoint_saved_by_transformers_loads_completely(tmp_path):
+    """What transformers' save_pretrained writes for ernie4_5_moe (per-expert tensor names, the
+    moe_statics bias [1, E] and the router weight in fp32 beside bf16 weights, no lm_head as the
+    head is tied, moe_k / moe_num_experts / moe_layer_* keys) reads back as transformers built
+    it; so do the names of transformers' module (mlp.gate.moe_statics, fused experts)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("ernie4_5_moe", vocab_size=16, hidden_size=16,
+                               intermediate_size=24, moe_intermediate_size=4, moe_num_experts=8,
+                               moe_k=2, moe_num_shared_experts=2, moe_layer_start_index=1,
+                               moe_layer_end_index=2, num_hidden_layers=4, head_dim=8,
+                               num_attention_heads=2, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    biases, routers = {}, {}
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            biases[i] = torch.randn(1, 8, dtype=torch.float32)
+            routers[i] = torch.randn(8, 16, dtype=torch.float32)  # not bf16-representable
+            layer.mlp.gate.moe_statics.e_score_correction_bias.data = biases[i].clone()
+            layer.mlp.gate.weight.data = routers[i].clone()
+    model.save_pretrained(tmp_path)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in stored
+    assert stored["model.layers.1.mlp.moe_statics.e_score_correction_bias"].shape == (1, 8)
+    spec = load_spec(tmp_path)
+    mlp_layers = tuple(i for i, layer in enumerate(model.model.layers)
+                       if not hasattr(layer.mlp, "experts"))
+    assert spec.dense_layers == mlp_layers == (0, 3)
+    assert (spec.num_experts, spec.top_k, spec.tie_word_embeddings) == (8, 2, True)
+    assert spec.shared_expert_intermediate_size == 8 and spec.dense_intermediate_size == 24
+    assert spec.rope.theta == 500000.0 and spec.torch_dtype == "bfloat16"
+
+    def check(weights):
+        assert [len(layer.experts) for layer in weights.layers] == [0, 8, 8, 0]
+        assert weights.head_tied
+        for i, bias in biases.items():
+            dense = weights.layers[i].dense
+            assert torch.equal(dense.score_correction_bias, bias[0])
+            assert torch.equal(dense.router, routers[i])  # fp32 as stored, never rounded
+            assert dense.shared_expert is not None and dense.shared_expert_gate is None
+        return weights
+
+    hub = check(load_weights(tmp_path, spec, torch.bfloat16))
+    fused = {}
+    for name, t in stored.items():
+        name = name.replace(".mlp.moe_statics.", ".mlp.gate.moe_statics.")
+        if ".mlp.experts." not in name:
+            fused[name] = t
+    for i in biases:
+        experts = model.model.layers[i].mlp.experts
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = experts.gate_up_proj.data
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = experts.down_proj.data
+    in_memory = tmp_path / "in_memory"
+    in_memory.mkdir()
+    save_file(fused, str(in_memory / "model.safetensors"))
+    (in_memory / "config.json").write_text((tmp_path / "config.json").read_text())
+    module = check(load_weights(in_memory, spec, torch.bfloat16))
+    for a, b in zip(hub.layers, module.layers):
+        assert all(torch.equal(x.w13, y.w13) and torch.equal(x.w2, y.w2)
+                   for x, y in zip(a.experts, b.experts))
+
+
 def test_gpt_oss_checkpoint_saved_by_transformers_loads_as_its_experts_compute(tmp_path):
     """What transformers' save_pretrained writes for gpt_oss (fused experts [E, H, 2I] with gate
     and up interleaved in the columns, down [E, I, H], biases, router bias, sinks) loads into

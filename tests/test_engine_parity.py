@@ -258,12 +258,38 @@ def test_multi_token_prediction_layer_past_the_last_layer_is_not_loaded(preset, 
     extra = {mtp + name[len(last):]: t.clone() for name, t in state.items() if name.startswith(last)}
     extra[mtp + "eh_proj.weight"] = torch.zeros(spec.hidden_size, 2 * spec.hidden_size)
     extra[mtp + "enorm.weight"] = torch.ones(spec.hidden_size)
+    _assert_extra_tensors_are_not_read(src, state, extra, tmp_path)
+
+
+def _assert_extra_tensors_are_not_read(src: Path, state: dict, extra: dict, tmp_path) -> None:
+    """The checkpoint `src` (tensors `state`) saved again with `extra` beside them loads the
+    same weights."""
+    spec = load_spec(src)
     save_file({**state, **extra}, str(tmp_path / "model.safetensors"))
     shutil.copy(src / "config.json", tmp_path / "config.json")
     a, b = load_weights(src, spec, torch.float32), load_weights(tmp_path, spec, torch.float32)
     assert len(b.layers) == spec.num_layers
     for la, lb in zip(a.layers, b.layers):
         assert all(torch.equal(x, y) for x, y in zip(la.dense.tensors(), lb.dense.tensors()))
+        assert all(torch.equal(x.w13, y.w13) and torch.equal(x.w2, y.w2)
+                   for x, y in zip(la.experts, lb.experts))
+
+
+def test_ernie_multi_token_prediction_tensors_are_not_loaded(builtin_dir, tmp_path):
+    """ERNIE-4.5 checkpoints carry their MTP module as model.mtp_block.0.* (a whole MoE layer),
+    mtp_emb_norm, mtp_hidden_norm and mtp_linear_proj; transformers ignores every "mtp" key,
+    and so does the loader."""
+    src = builtin_dir("tiny-ernie45-moe")
+    spec = load_spec(src)
+    state = load_file(str(src / "model.safetensors"))
+    last = f"model.layers.{spec.num_layers - 2}."  # a MoE layer
+    extra = {"model.mtp_block.0." + name[len(last):]: t.clone()
+             for name, t in state.items() if name.startswith(last)}
+    h = spec.hidden_size
+    extra.update({"model.mtp_emb_norm.0.weight": torch.ones(h),
+                  "model.mtp_hidden_norm.0.weight": torch.ones(h),
+                  "model.mtp_linear_proj.0.weight": torch.zeros(h, 2 * h)})
+    _assert_extra_tensors_are_not_read(src, state, extra, tmp_path)
 
 
 # Flags the tiny presets leave at their hub values, switched: Qwen3 with q/k/v/o biases and
@@ -307,6 +333,17 @@ VARIANTS = {
     "deepseek-v2-low-rank-q-greedy": (
         "tiny-deepseek-v2", dict(q_lora_rank=24, n_group=1, topk_group=1),
         dict(router_groups=1, router_topk_groups=1)),
+    # ERNIE-4.5 with its LM head tied to the embedding (no lm_head tensor, as the hub's) and
+    # MoE layers every second layer up to the last (moe_layer_interval 2, end index -1); and
+    # with every layer but the last MoE and a moe_norm_min above every sum of top-k softmax
+    # scores (so the floor divides).
+    "ernie45-moe-tied-interval-2": (
+        "tiny-ernie45-moe", dict(tie_word_embeddings=True, decoder_sparse_step=2,
+                                 last_moe_layer=-1),
+        dict(tie_word_embeddings=True, dense_layers=(0, 2))),
+    "ernie45-moe-norm-floor": (
+        "tiny-ernie45-moe", dict(moe_norm_min=2.0, first_k_dense_replace=0),
+        dict(router_norm_min=2.0, dense_layers=(3,))),
 }
 
 

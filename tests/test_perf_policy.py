@@ -100,10 +100,13 @@ GPT_OSS_CASES = [(hw, name, wl) for hw in ("a100", "h100") for name in ("gpt-oss
                  for wl in (MTBENCH, WorkloadSpec(1693, 1984, 64))]
 # DeepSeek-V3: 671B in bf16 is more than the H100 preset's host memory, so the disk tier too.
 DEEPSEEK_CASES = [("h100", "deepseek-v3", MTBENCH)]
+# ERNIE-4.5-21B-A3B (~44 GB in bf16, tied head) on a 24 GB card: experts partly on the host.
+ERNIE_CASES = [("l4", "ernie-4.5-21b-a3b", MTBENCH)]
 
 
 @pytest.mark.parametrize("hw_name,model_name,wl",
-                         PRESET_CASES[::3] + GLM_CASES + DEEPSEEK_CASES + GPT_OSS_CASES)
+                         PRESET_CASES[::3] + GLM_CASES + DEEPSEEK_CASES + GPT_OSS_CASES
+                         + ERNIE_CASES)
 def test_policy_satisfies_memory_constraints_and_stage1_bound(hw_name, model_name, wl):
     hw, m = load_preset(hw_name), reference_model(model_name)
     r = choose_policy(m, hw, wl, backend="cuda")

@@ -15,7 +15,9 @@ from moe_engine.perf.reference_models import REFERENCE_CONFIGS, reference_model
 PUBLISHED_PARAMS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "qwen1.5-moe-a2.7b": 14.3,
                     "qwen3-30b-a3b": 30.5, "olmoe-1b-7b": 6.9, "deepseek-v2-lite": 15.7,
                     "glm-4.5": 355, "glm-4.5-air": 106, "deepseek-v3": 671,
-                    "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8}
+                    "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8,
+                    # the hub's count of the -PT checkpoint; the model card says "21B"
+                    "ernie-4.5-21b-a3b": 21.8}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
@@ -143,6 +145,27 @@ def test_gpt_oss_biases_sinks_and_windowed_layers():
     per_layer = 8 * 2 * 64 * 2
     assert m.kv_bytes_per_sequence(4096, 16) == per_layer * (12 * 4096 + 12 * 144)
     assert m.kv_bytes_per_sequence(100, 16) == 100 * m.kv_bytes_per_token
+
+
+def test_ernie_4_5_reference_config_counts_every_weight_once():
+    """ERNIE-4.5-21B-A3B counted by hand: 27 MoE layers (64 experts of 1536, two shared ones,
+    the router and its [1, 64] statics bias), one dense layer of 12288, GQA 20/4 heads of 128,
+    one embedding table (tied head). The model card's "21B / 3B" are two figures: the total is
+    21.83B (the hub lists 21.8B) and a token's decoder layers hold 3.09B (3.35B with the
+    embedding row), so "3B" is checked to that precision (3%), not to 1%."""
+    m = reference_model("ernie-4.5-21b-a3b")
+    h, attn = 2560, 2560 * (2560 + 2 * 512) + 2560 * 2560
+    moe = attn + 64 * h + 64 + 3 * h * 1536 * 2 + 2 * h
+    dense = attn + 3 * h * 12288 + 2 * h
+    assert m.dense_layers == (0,) and m.num_moe_layers == 27 and m.tie_word_embeddings
+    assert m.total_params == 27 * (moe + 64 * 3 * h * 1536) + dense + 103424 * h + h
+    assert m.active_params == 27 * (moe + 6 * 3 * h * 1536) + dense
+    assert m.total_params / 1e9 == pytest.approx(21.8, rel=0.002)
+    assert round(m.active_params / 1e9) == 3
+    assert m.active_params / 1e9 == pytest.approx(3, rel=0.03)
+    assert (m.router_scoring, m.router_score_correction, m.rope_interleave) == ("softmax", True, True)
+    assert m.kv_bytes_per_token == 28 * 4 * 2 * 128 * 2
+    assert m.rope.theta == 500000
 
 
 def test_qwen3_moe_explicit_head_dim():

@@ -1,7 +1,8 @@
 """layers.route against transformers' own routers: GLM-4.5's and DeepSeek-V3's (sigmoid scores,
 a score-correction bias for choosing, group-limited top-k by the sum of each group's two best
 scores, routed scaling) and DeepSeek-V2's group_limited_greedy (softmax scores, groups scored by
-their best expert), on tokens whose routing the bias and the group limit both change."""
+their best expert), ERNIE-4.5's (softmax scores, its moe_statics bias for choosing, the sum
+floored at moe_norm_min), on tokens whose routing the bias and the group limit both change."""
 from __future__ import annotations
 
 import dataclasses
@@ -134,6 +135,49 @@ def test_bf16_activations_route_on_fp32_logits_like_transformers():
     weights, experts = route(w16.float(), h16, _spec(**V3_ROUTER), bias)
     assert weights.dtype == torch.float32
     _assert_same_routing((weights, experts), ref)
+
+
+ERNIE_ROUTER = dict(router_scoring="softmax", router_logits_fp32=True,
+                    router_score_correction=True, norm_topk_prob=True, router_norm_min=1e-12,
+                    router_weights_fp32=False)
+
+
+def _ernie_router(weight, bias, moe_norm_min=1e-12):
+    from transformers import Ernie4_5_MoeConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+    config = Ernie4_5_MoeConfig(hidden_size=H, moe_num_experts=E, moe_k=TOP_K,
+                                moe_norm_min=moe_norm_min)
+    router = Ernie4_5_MoeTopKRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(weight)
+        router.moe_statics.e_score_correction_bias.copy_(bias[None, :])
+    return router
+
+
+@pytest.mark.parametrize("moe_norm_min", [1e-12, 2.0])
+def test_softmax_router_with_statics_bias_matches_ernie4_5_moe_router(moe_norm_min):
+    """ERNIE-4.5: softmax scores of fp32 logits, top-k on scores + the moe_statics bias, the
+    chosen scores over max(sum, moe_norm_min) (2.0 exceeds every sum: the floor divides)."""
+    h, weight, bias = _inputs(seed=4)
+    spec = _spec(**{**ERNIE_ROUTER, "router_norm_min": moe_norm_min})
+    ref = _ernie_router(weight, bias, moe_norm_min)(h)[1:]
+    mine = route(weight, h, spec, bias)
+    _assert_same_routing(mine, ref)
+    # the bias changes the choice of some tokens here (else this test would not test it)
+    unbiased = route(weight, h, spec)[1]
+    assert [sorted(e) for e in mine[1].tolist()] != [sorted(e) for e in unbiased.tolist()]
+
+
+def test_ernie_router_casts_its_weights_to_the_activations_dtype():
+    """transformers' ERNIE router computes in fp32 from its fp32 weight and hands bf16 weights
+    to the experts of a bf16 model."""
+    h, weight, bias = _inputs(seed=5)
+    h16 = h.to(torch.bfloat16)
+    ref = _ernie_router(weight, bias)(h16)[1:]
+    weights, experts = route(weight, h16, _spec(**ERNIE_ROUTER), bias)
+    assert weights.dtype == ref[0].dtype == torch.bfloat16
+    _assert_same_routing((weights.float(), experts), (ref[0].float(), ref[1]))
 
 
 def test_limit_to_top_groups_keeps_the_best_groups_by_each_score():

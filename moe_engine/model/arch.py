@@ -8,7 +8,8 @@ config may omit). Slots:
   layer:  input_norm, post_norm, q, k, v, o, router; q_bias, k_bias, v_bias, o_bias;
           q_norm, k_norm; mlp_w1/w3/w2 (a dense layer's MLP); shared_w1/w3/w2 and
           shared_expert_gate (Qwen2-MoE's shared expert; GLM-4.5's shared experts have no
-          gate); score_correction_bias (the router's e_score_correction_bias, GLM-4.5);
+          gate); score_correction_bias (the router's e_score_correction_bias, GLM-4.5;
+          ERNIE-4.5's under moe_statics, [1, E]);
           sinks (per-head attention sink logits) and router_bias (GPT-OSS)
           MLA (DeepSeek): q or q_a/q_a_norm/q_b, kv_a, kv_a_norm, kv_b (and o)
   expert: w1 (gate), w3 (up), w2 (down), one tensor per expert
@@ -122,6 +123,12 @@ _MLA: tuple[Rule, ...] = _NORMS + (
 # The MTP layer DeepSeek-V3 checkpoints carry past the last decoder layer is skipped as GLM's.
 DEEPSEEK_V3_TABLE = _GLOBAL + _MLA + _QWEN_EXPERTS + _SCORE_CORRECTION + _SHARED_EXPERTS + _DENSE_MLP
 DEEPSEEK_V2_TABLE = _GLOBAL + _MLA + _QWEN_EXPERTS + _SHARED_EXPERTS + _DENSE_MLP
+# ERNIE-4.5: the hub and save_pretrained keep the bias in mlp.moe_statics, transformers' module
+# (the fused in-memory names) in mlp.gate.moe_statics. The MTP weights (mtp_* keys) match no rule.
+_ERNIE_SCORE_CORRECTION = ((_L + r"mlp\.(?:gate\.)?moe_statics\.e_score_correction_bias", "layer",
+                            "score_correction_bias"),)
+ERNIE4_5_MOE_TABLE = (_COMMON + _QWEN_EXPERTS + _ERNIE_SCORE_CORRECTION + _SHARED_EXPERTS
+                      + _DENSE_MLP)
 
 
 _GPT_OSS_BLOCK = (
@@ -163,6 +170,11 @@ class Architecture:
     default_rope_parameters / default_rope_theta: RoPE of a config with no RoPE keys, where
     the config class fills one in (GPT-OSS's YaRN).
     mla: multi-head latent attention (DeepSeek-V2/V3; ModelSpec.mla from the config's ranks).
+    key_map: (engine's key, the architecture's config key) pairs, as transformers'
+    attribute_map: ERNIE-4.5 names its MoE keys its own way (moe_k for num_experts_per_tok);
+    spec.py reads the value under the engine's name.
+    router_weight_fp32: the router weight is kept as the checkpoint stores it (fp32 in
+    ERNIE-4.5's _keep_in_fp32_modules_strict), not rounded to the model dtype on load.
     """
 
     model_type: str
@@ -182,6 +194,12 @@ class Architecture:
     default_rope_parameters: tuple[tuple[str, Any], ...] = ()
     default_rope_theta: float = 10000.0
     mla: bool = False
+    key_map: tuple[tuple[str, str], ...] = ()
+    router_weight_fp32: bool = False
+
+    def canonical_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """`cfg` with the values of key_map's own keys also under the engine's names."""
+        return {**cfg, **{ours: cfg[theirs] for ours, theirs in self.key_map if theirs in cfg}}
 
     def own_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """The architecture-specific settings of `cfg`, defaults filled in."""
@@ -253,6 +271,24 @@ ARCHITECTURES: dict[str, Architecture] = {
                      ("routed_scaling_factor", 1.0), ("topk_method", "greedy")) + _MLA_KEYS,
         fixed=(("norm_topk_prob", False), ("group_score", "max"), ("rope_interleave", True)),
         router_weights_fp32=True, router_logits_fp32=True, mla=True),
+    # Defaults from transformers' Ernie4_5_MoeConfig. Its router softmaxes fp32 logits of an
+    # fp32 weight, chooses on the scores plus the moe_statics bias, divides the chosen scores by
+    # max(sum, moe_norm_min) and casts them to the model dtype; RoPE rotates pairs (2i, 2i+1)
+    # (ernie4_5's apply_rotary_pos_emb: cos/sin repeat_interleaved, GLM's rotate_half). A layer
+    # is MoE when (i + 1) % moe_layer_interval == 0 and start <= i <= end (-1: the last layer).
+    "Ernie4_5_MoeForCausalLM": Architecture(
+        "ernie4_5_moe", ERNIE4_5_MOE_TABLE,
+        key_map=(("num_experts", "moe_num_experts"), ("num_experts_per_tok", "moe_k"),
+                 ("n_shared_experts", "moe_num_shared_experts"),
+                 ("decoder_sparse_step", "moe_layer_interval"),
+                 ("first_k_dense_replace", "moe_layer_start_index"),
+                 ("last_moe_layer", "moe_layer_end_index"), ("router_norm_min", "moe_norm_min")),
+        config_keys=(("n_shared_experts", 2), ("decoder_sparse_step", 1),
+                     ("first_k_dense_replace", 1), ("last_moe_layer", -1),
+                     ("router_norm_min", 1e-12)),
+        fixed=(("norm_topk_prob", True), ("e_score_correction_bias", True),
+               ("rope_interleave", True)),
+        router_logits_fp32=True, default_rope_theta=500000.0, router_weight_fp32=True),
 }
 
 

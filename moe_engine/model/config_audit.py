@@ -1,15 +1,17 @@
 """config.json fields that would change the math but the engine does not compute: refused at load.
 
-Audited field by field against transformers' configuration and modeling files of the eight
-families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3, DeepSeek-V2, GPT-OSS). A
-field is in one of three groups:
+Audited field by field against transformers' configuration and modeling files of the nine
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3, DeepSeek-V2, GPT-OSS,
+ERNIE-4.5-MoE). A field is in one of three groups:
   honoured: spec.py reads it into ModelSpec and the layers compute it (shapes, rms_norm_eps,
       RoPE default/dynamic/linear/llama3/yarn, biases, q/k norms, clip_qkv, norm_topk_prob, shared
       experts, dense layers, tied embeddings, dtype; GLM-4.5's partial_rotary_factor,
       use_qk_norm, n_shared_experts, first_k_dense_replace, n_group, topk_group,
       routed_scaling_factor; DeepSeek's MLA ranks and head dims, rope_interleave, V2's
       topk_method, YaRN's mscale_all_dim in the softmax scale; GPT-OSS's layer_types with
-      sliding_window, swiglu_alpha, swiglu_limit, attention_bias and its YaRN with truncate);
+      sliding_window, swiglu_alpha, swiglu_limit, attention_bias and its YaRN with truncate;
+      ERNIE-4.5's moe_num_experts, moe_k, moe_intermediate_size, moe_num_shared_experts,
+      moe_layer_start_index/end_index/interval, moe_norm_min, default theta 500000);
   inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
       router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
@@ -18,8 +20,11 @@ field is in one of three groups:
       not run it by default) and DeepSeek-V3's; keys transformers' DeepSeek code never reads
       (scoring_func, topk_method on V3, ep_size, aux_loss_alpha, seq_aux; norm_topk_prob on
       V2); hidden_act on GPT-OSS (its experts always compute the clamped SwiGLU, whatever the
-      key says);
-  refused here: everything else that transformers computes, each naming the field and value.
+      key says); ERNIE-4.5 keys of the hub's configs transformers never reads (moe_capacity,
+      moe_gate, moe_use_aux_free: its router always adds the moe_statics bias;
+      num_nextn_predict_layers and multi_token_pred_lambda: the MTP weights are not loaded);
+  refused here: everything else that transformers computes, each naming the field and value
+      (ERNIE-4.5's use_bias=True among them).
 It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
 parameters and the effective window through the helpers here, so reader and judge agree.
 """
@@ -212,9 +217,18 @@ def _check_deepseek(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
     return "; ".join(problems) or None
 
 
+def _check_ernie(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type != "ernie4_5_moe" or not cfg.get("use_bias"):
+        return None
+    # One switch for biases on q/k/v/o, the dense and shared MLPs and the LM head; the released
+    # ERNIE-4.5 MoE checkpoints have none.
+    return (f"use_bias={cfg['use_bias']!r}: biases on the attention projections, MLPs and LM "
+            "head are not implemented for ERNIE-4.5")
+
+
 CHECKS: tuple[Callable[[Mapping[str, Any], str], Optional[str]], ...] = (
     _check_sliding_window, _check_activation, _check_rope_type, _check_partial_rotary,
-    _check_quantization, _check_deepseek)
+    _check_quantization, _check_deepseek, _check_ernie)
 
 
 def refuse_unhonoured_fields(cfg: Mapping[str, Any], model_type: str) -> None:

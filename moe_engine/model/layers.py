@@ -1,8 +1,9 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
-Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3/V2 and
-GPT-OSS numerically (RMSNorm in fp32, router scores in fp32, top-k weights renormalised where the
-spec says so) so fp32 runs match them to rounding; DeepSeek's latent attention is in model/mla.py.
+Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3/V2,
+GPT-OSS and ERNIE-4.5-MoE numerically (RMSNorm in fp32, router scores in fp32, top-k weights
+renormalised where the spec says so) so fp32 runs match them to rounding; DeepSeek's latent
+attention is in model/mla.py.
 Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ class RotaryTable:
     With a partial rotary factor (GLM-4.5) only the first `rotary_dim` dims of a head rotate,
     by the rotate-half pairing (i, i + rotary_dim/2) within them, as transformers'
     apply_rotary_pos_emb does; the frequencies are those of a head of rotary_dim dims. With
-    rope_interleave (DeepSeek) dims (2i, 2i+1) rotate together by frequency i instead.
+    rope_interleave (DeepSeek, ERNIE-4.5) dims (2i, 2i+1) rotate together by frequency i instead.
     """
 
     def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype):
@@ -166,11 +167,11 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
           router_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts each token goes to and their weights: weights [T, k], experts [T, k].
 
-    Scores are the softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2) or the sigmoid (DeepSeek-V3,
-    GLM-4.5) of the router logits, in fp32. Experts are chosen by top-k over the scores plus
-    `score_correction_bias` where the spec has one, restricted to the best groups where it
-    groups experts (`limit_to_top_groups`); the weights are the chosen experts' un-biased
-    scores, renormalised if the spec says so, times routed_scaling_factor.
+    Scores are the softmax (Mixtral, Qwen, OLMoE, DeepSeek-V2, ERNIE-4.5) or the sigmoid
+    (DeepSeek-V3, GLM-4.5) of the router logits, in fp32. Experts are chosen by top-k over the
+    scores plus `score_correction_bias` where the spec has one, restricted to the best groups
+    where it groups experts (`limit_to_top_groups`); the weights are the chosen experts'
+    un-biased scores, renormalised if the spec says so, times routed_scaling_factor.
 
     GPT-OSS ("topk_softmax"): the router GEMM has a bias, top-k runs over the logits and the
     weights are the softmax of the k chosen logits.
@@ -196,10 +197,15 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     experts = torch.topk(choice, spec.top_k, dim=-1).indices
     weights = scores.gather(1, experts)
     if spec.norm_topk_prob:
-        # DeepSeek-V3 and GLM-4.5 guard the sum of sigmoid scores with 1e-20; softmax
-        # routers divide by the bare sum. Mirrored so that rounding matches each.
-        eps = 1e-20 if spec.router_scoring == "sigmoid" else 0.0
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+        # DeepSeek-V3 and GLM-4.5 guard the sum of sigmoid scores with 1e-20, ERNIE-4.5 clamps
+        # it below at moe_norm_min; other softmax routers divide by the bare sum. Mirrored so
+        # that rounding matches each.
+        total = weights.sum(dim=-1, keepdim=True)
+        if spec.router_norm_min is not None:
+            total = total.clamp(min=spec.router_norm_min)
+        elif spec.router_scoring == "sigmoid":
+            total = total + 1e-20
+        weights = weights / total
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     if not spec.router_weights_fp32:

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from moe_engine.model import mxfp4
-from moe_engine.model.arch import NameTable
+from moe_engine.model.arch import NameTable, architecture
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import (DenseLayerWeights, ExpertWeights, LayerWeights, MlaWeights,
                                       ModelWeights, SwigluClamp)
@@ -51,6 +51,10 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
     """
     model_dir = Path(model_dir)
     table = NameTable(spec.architecture)
+    # transformers keeps the score-correction bias in fp32 in every dtype, and ERNIE-4.5's
+    # router weight too (as stored, never rounded to the model dtype).
+    fp32_slots = {"score_correction_bias"} | (
+        {"router"} if architecture(spec.architecture).router_weight_fp32 else set())
     glob: dict[str, torch.Tensor] = {}
     layer: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     expert: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
@@ -59,16 +63,15 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
             for name in f.keys():
                 m = table.match(name)
                 # Layers past the last decoder layer are GLM-4.5's multi-token-prediction
-                # module, which generation does not run: never read them. Without experts,
-                # the disk tier reads those itself.
+                # module (ERNIE-4.5's mtp_* tensors match no rule), which generation does not
+                # run: never read them. Without experts, the disk tier reads those itself.
                 if m is None or (m.layer is not None and m.layer >= spec.num_layers) or \
                         (not experts and m.scope in ("expert", "fused")):
                     continue
                 t = f.get_tensor(name)
-                # transformers keeps the score-correction bias in fp32 in every dtype; MXFP4
-                # codes and scales are bytes, not values.
+                # MXFP4 codes and scales are bytes, not values.
                 if t.is_floating_point():
-                    t = t.to(torch.float32 if m.slot == "score_correction_bias" else dtype)
+                    t = t.to(torch.float32 if m.slot in fp32_slots else dtype)
                 if m.scope == "global":
                     glob[m.slot] = t
                 elif m.scope == "layer":
@@ -173,7 +176,8 @@ def _dense_layer(d: dict[str, torch.Tensor], spec: ModelSpec, i: int,
         mlp=None if moe else swiglu_weights(d, "mlp_"),
         shared_expert=swiglu_weights(d, "shared_") if shared else None,
         shared_expert_gate=d["shared_expert_gate"].contiguous() if gated else None,
-        score_correction_bias=(d["score_correction_bias"].contiguous()
+        # [E] (ERNIE-4.5 stores it [1, E])
+        score_correction_bias=(d["score_correction_bias"].reshape(-1).contiguous()
                                if moe and spec.router_score_correction else None),
         sinks=d["sinks"].contiguous() if spec.attention_sinks else None,
         router_bias=d["router_bias"].contiguous() if moe and spec.router_bias else None,

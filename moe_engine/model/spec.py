@@ -85,13 +85,15 @@ def dtype_bytes_of(dtype: str) -> int:
 
 
 def is_sparse_layer(layer: int, decoder_sparse_step: int = 1, mlp_only_layers: Sequence[int] = (),
-                    first_k_dense_replace: int = 0) -> bool:
+                    first_k_dense_replace: int = 0, last_sparse_layer: Optional[int] = None) -> bool:
     """Whether layer i has routed experts. Qwen-MoE's rule: i is not in mlp_only_layers and
-    (i + 1) % decoder_sparse_step == 0; GLM-4.5's: i >= first_k_dense_replace (architectures
-    without these keys: every layer)."""
+    (i + 1) % decoder_sparse_step == 0; GLM-4.5's: i >= first_k_dense_replace; ERNIE-4.5's
+    both (moe_layer_interval, moe_layer_start_index) and i <= last_sparse_layer
+    (moe_layer_end_index) (architectures without these keys: every layer)."""
     step = max(1, int(decoder_sparse_step or 1))
     return (layer not in mlp_only_layers and (layer + 1) % step == 0
-            and layer >= int(first_k_dense_replace or 0))
+            and layer >= int(first_k_dense_replace or 0)
+            and (last_sparse_layer is None or layer <= last_sparse_layer))
 
 
 # "topk_softmax" (GPT-OSS): top-k over the raw logits, softmax over the k chosen ones.
@@ -158,6 +160,9 @@ class ModelSpec:
     router_topk_groups: int = 1
     router_group_score: str = "top2_sum"
     routed_scaling_factor: float = 1.0
+    # ERNIE-4.5 renormalises by max(sum, router_norm_min) (its moe_norm_min) instead of the sum
+    # (+1e-20 for sigmoid scores); None: the sum.
+    router_norm_min: Optional[float] = None
     mla: Optional[MlaSpec] = None
     # GPT-OSS. attention_sinks: a learned logit per query head joins each softmax's
     # denominator (it has no value). layer_types: one of LAYER_TYPES per layer (empty: every
@@ -575,6 +580,11 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
     except UnsupportedArchitectureError as e:
         raise UnsupportedModelError(str(e)) from None
     refuse_unhonoured_fields(cfg, arch.model_type)
+    cfg = arch.canonical_config(dict(cfg))
+    _, params = rope_parameters(cfg)
+    if "rope_theta" not in params and cfg.get("rope_theta") is None:
+        # The config class's default theta (ERNIE-4.5: 500000), as transformers fills it in.
+        cfg["rope_theta"] = arch.default_rope_theta
     if arch.default_rope_parameters and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
         # GPT-OSS: a config without RoPE keys gets its config class's YaRN, as transformers'.
         cfg = {**cfg, "rope_parameters": {"rope_theta": cfg.get("rope_theta", arch.default_rope_theta),
@@ -589,7 +599,12 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
                  or int(own.get("n_shared_experts") or 0) * common["intermediate_size"])
     step, mlp_only = own.get("decoder_sparse_step") or 1, tuple(own.get("mlp_only_layers") or ())
     first_dense = int(own.get("first_k_dense_replace") or 0)
-    sparse = [is_sparse_layer(i, step, mlp_only, first_dense) for i in range(num_layers)]
+    last_sparse = own.get("last_moe_layer")
+    if last_sparse is not None:
+        # Ernie4_5_MoeConfig turns -1 (its default) into the last layer, no other value.
+        last_sparse = num_layers - 1 if int(last_sparse) == -1 else int(last_sparse)
+    sparse = [is_sparse_layer(i, step, mlp_only, first_dense, last_sparse)
+              for i in range(num_layers)]
     mla = _mla_spec(own) if arch.mla else None
     # DeepSeek-V2's "greedy" top-k ignores n_group/topk_group; its group_limited_greedy and
     # DeepSeek-V3 / GLM-4.5 always limit to the best groups (n_group 1: no limit).
@@ -623,6 +638,8 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         router_topk_groups=int(own.get("topk_group") or 1) if grouped else 1,
         router_group_score=str(own.get("group_score", "top2_sum")),
         routed_scaling_factor=float(own.get("routed_scaling_factor", 1.0)),
+        router_norm_min=(None if own.get("router_norm_min") is None
+                         else float(own["router_norm_min"])),
         attention_sinks=arch.attention_sinks,
         layer_types=layer_types(cfg, arch.model_type),
         router_bias=arch.router_bias,

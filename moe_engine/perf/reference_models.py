@@ -99,6 +99,18 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "rope_theta": 1000000, "vocab_size": 151552,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
+    # ERNIE-4.5-21B-A3B (baidu's -PT config.json; the model card's 28 layers, 20/4 heads,
+    # 64 experts top-6, 2 shared; Ernie4_5_MoeConfig's defaults are this model). Its key names:
+    # moe_k, moe_num_experts, ... The LM head is tied to the embedding. The MTP module the
+    # checkpoints carry (mtp_* tensors) is not a decoder layer here.
+    "ernie-4.5-21b-a3b": {
+        "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_size": 2560,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 28,
+        "num_attention_heads": 20, "num_key_value_heads": 4, "moe_num_experts": 64, "moe_k": 6,
+        "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_interval": 1,
+        "use_bias": False, "max_position_embeddings": 131072, "rope_theta": 500000, "vocab_size": 103424,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    },
     "gpt-oss-20b": _gpt_oss(num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": _gpt_oss(num_hidden_layers=36, num_local_experts=128),
 }

@@ -108,7 +108,9 @@ def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
             shapes += _fused_expert_shapes(p, block)
             continue
         if fam.score_correction:
-            shapes.append((f"{block}.gate.e_score_correction_bias", (p.num_experts,),
+            shapes.append((f"{block}.moe_statics.e_score_correction_bias", (1, p.num_experts),
+                           "score_bias") if fam.moe_statics else
+                          (f"{block}.gate.e_score_correction_bias", (p.num_experts,),
                            "score_bias"))
         for e in range(p.num_experts):
             shapes += _swiglu_shapes(f"{block}.experts.{e}", fam.expert_names, h,
@@ -118,7 +120,9 @@ def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
                                      p.shared_expert_intermediate_size)
             if fam.shared_gate:
                 shapes.append((f"{block}.shared_expert_gate.weight", (1, h), "linear"))
-    shapes += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (p.vocab_size, h), "lm_head")]
+    shapes.append(("model.norm.weight", (h,), "norm"))
+    if not p.tie_word_embeddings:  # tied: the hub's checkpoints have no lm_head tensor
+        shapes.append(("lm_head.weight", (p.vocab_size, h), "lm_head"))
     return shapes
 
 
@@ -170,9 +174,11 @@ def generate_state_dict(preset: MoePreset, seed: int, text_vocab: int) -> dict[s
         raise ValueError(f"tokenizer has {text_vocab} tokens, more than vocab_size {preset.vocab_size}")
     g = torch.Generator().manual_seed(seed)
     dtype = _DTYPES[preset.dtype]
-    # The score-correction bias is fp32 in every dtype, as the hub's GLM-4.5/DeepSeek-V3 store it.
+    # The score-correction bias is fp32 in every dtype, as the hub's GLM-4.5/DeepSeek-V3 store it,
+    # and ERNIE-4.5's router weight as transformers saves it.
+    fp32 = {"score_bias"} | ({"router"} if preset.family.fp32_router else set())
     state = {name: _init_tensor(kind, shape, preset, g, text_vocab)
-             .to(torch.float32 if kind == "score_bias" else dtype).contiguous()
+             .to(torch.float32 if kind in fp32 else dtype).contiguous()
              for name, shape, kind in _tensor_shapes(preset)}
     if preset.expert_quantization == "mxfp4":
         state = _mxfp4_experts(state)

@@ -66,6 +66,11 @@ class MoePreset:
     v_head_dim: int = 0
     # GPT-OSS as released: routed experts stored in MXFP4 (blocks + scales, model/mxfp4.py)
     expert_quantization: Optional[str] = None
+    # ERNIE-4.5: the last MoE layer (moe_layer_end_index; -1: the last layer), the floor of the
+    # top-k weights' sum (moe_norm_min), the LM head tied to the embedding (no lm_head tensor).
+    last_moe_layer: int = -1
+    moe_norm_min: float = 1e-12
+    tie_word_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -78,7 +83,8 @@ class MoePreset:
     def is_moe_layer(self, layer: int) -> bool:
         # The rule the engine reads back from the written config.json (one definition).
         return is_sparse_layer(layer, self.decoder_sparse_step, self.mlp_only_layers,
-                               self.first_k_dense_replace)
+                               self.first_k_dense_replace,
+                               None if self.last_moe_layer == -1 else self.last_moe_layer)
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,11 @@ class Family:
     attention biases and the projections it covers, the q/k norm ("head": one per head,
     "projection": over the whole projection) and the architecture's own config keys; the
     shared expert's module name and whether it has a sigmoid gate, whether the router has
-    an e_score_correction_bias, and whether attention is DeepSeek's latent attention."""
+    an e_score_correction_bias, and whether attention is DeepSeek's latent attention.
+    moe_statics: the bias is [1, E] under <block>.moe_statics (ERNIE-4.5), not [E] under the
+    router; fp32_router: the router weight is stored in fp32 in every dtype (ERNIE-4.5, as
+    transformers' save_pretrained writes it); dropped_keys: generic config keys the hub's configs
+    of the family do not have (ERNIE-4.5 calls num_experts_per_tok moe_k)."""
 
     model_type: str
     moe_block: str
@@ -106,6 +116,9 @@ class Family:
     router_name: str = "gate"
     sinks: bool = False
     mla: bool = False
+    moe_statics: bool = False
+    fp32_router: bool = False
+    dropped_keys: tuple[str, ...] = ()
 
 
 def _mixtral_keys(p: MoePreset) -> dict[str, Any]:
@@ -131,14 +144,18 @@ def _olmoe_keys(p: MoePreset) -> dict[str, Any]:
             "router_aux_loss_coef": 0.01}
 
 
+def _shared_expert_count(p: MoePreset) -> int:
+    if p.shared_expert_intermediate_size % p.intermediate_size:
+        raise ValueError("shared experts are a whole number of routed experts wide")
+    return p.shared_expert_intermediate_size // p.intermediate_size
+
+
 def _deepseek_style_keys(p: MoePreset) -> dict[str, Any]:
     """The MoE keys GLM-4.5 shares with DeepSeek: dense first layers, n_shared_experts
     expert-wide shared experts, grouped routing, a routed scaling factor."""
-    if p.shared_expert_intermediate_size % p.intermediate_size:
-        raise ValueError("shared experts are a whole number of routed experts wide")
     return {"intermediate_size": p.dense_intermediate_size,
             "moe_intermediate_size": p.intermediate_size, "n_routed_experts": p.num_experts,
-            "n_shared_experts": p.shared_expert_intermediate_size // p.intermediate_size,
+            "n_shared_experts": _shared_expert_count(p),
             "first_k_dense_replace": p.first_k_dense_replace, "n_group": p.n_group,
             "topk_group": p.topk_group, "routed_scaling_factor": p.routed_scaling_factor,
             "norm_topk_prob": p.norm_topk_prob}
@@ -181,6 +198,18 @@ def _deepseek_v2_keys(p: MoePreset) -> dict[str, Any]:
     return {**_mla_keys(p), "topk_method": method, "scoring_func": "softmax"}
 
 
+def _ernie4_5_moe_keys(p: MoePreset) -> dict[str, Any]:
+    # The key names of the hub's ERNIE-4.5 configs (transformers' save_pretrained writes the
+    # same); moe_capacity/moe_gate/moe_use_aux_free, which transformers never reads, left out.
+    return {"intermediate_size": p.dense_intermediate_size,
+            "moe_intermediate_size": p.intermediate_size, "moe_num_experts": p.num_experts,
+            "moe_k": p.num_experts_per_tok, "moe_num_shared_experts": _shared_expert_count(p),
+            "moe_layer_start_index": p.first_k_dense_replace,
+            "moe_layer_end_index": p.last_moe_layer,
+            "moe_layer_interval": p.decoder_sparse_step, "moe_norm_min": p.moe_norm_min,
+            "router_aux_loss_coef": 0.001, "pad_token_id": 0}
+
+
 LLAMA_MLP = ("gate_proj", "down_proj", "up_proj")
 FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(
@@ -212,6 +241,11 @@ FAMILIES: dict[str, Family] = {
         model_type="deepseek_v2", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="", qk_norm=None, config_keys=_deepseek_v2_keys,
         shared_block="shared_experts", shared_gate=False, mla=True),
+    "Ernie4_5_MoeForCausalLM": Family(
+        model_type="ernie4_5_moe", moe_block="mlp", expert_names=LLAMA_MLP,
+        bias_key="use_bias", biased="qkvo", qk_norm=None, config_keys=_ernie4_5_moe_keys,
+        shared_block="shared_experts", shared_gate=False, score_correction=True,
+        moe_statics=True, fp32_router=True, dropped_keys=("num_experts_per_tok",)),
 }
 
 # DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and a
@@ -300,6 +334,19 @@ PRESETS: dict[str, MoePreset] = {
     "tiny-deepseek-v2": replace(_TINY_DEEPSEEK_V3, architecture="DeepseekV2ForCausalLM",
                                 q_lora_rank=None, norm_topk_prob=False,
                                 routed_scaling_factor=2.0),
+    # ERNIE-4.5-MoE's features: a dense first and last layer (moe_layer_start_index 1,
+    # moe_layer_end_index 2 of 4), a softmax router over an fp32 weight whose random
+    # moe_statics bias changes the choice of the top-4 of 16 experts, weights divided by their
+    # sum (floored at moe_norm_min), two ungated shared experts, RoPE on pairs (2i, 2i+1) at
+    # ERNIE's theta. ~5 MB. The LM head is its own (ERNIE-4.5-21B-A3B ties it): a random
+    # embedding as head makes every step repeat its input token, so greedy parity would hinge
+    # on nothing; the tied head is a parity variant (tests/test_engine_parity.py).
+    "tiny-ernie45-moe": MoePreset(
+        "Ernie4_5_MoeForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=4,
+        vocab_size=8192, tokenizer_vocab_size=8192, rope_theta=500000.0, norm_topk_prob=True,
+        shared_expert_intermediate_size=64, dense_intermediate_size=176,
+        first_k_dense_replace=1, last_moe_layer=2),
 }
 
 
@@ -324,12 +371,14 @@ def hf_config(preset: MoePreset) -> dict:
         "output_router_logits": False,
         "rms_norm_eps": preset.rms_norm_eps,
         "rope_theta": preset.rope_theta,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": preset.tie_word_embeddings,
         "torch_dtype": preset.dtype,
         "use_cache": True,
         "vocab_size": preset.vocab_size,
         **family.config_keys(preset),
     }
+    for key in family.dropped_keys:
+        del config[key]
     if family.bias_key is not None:
         config[family.bias_key] = preset.attention_bias
     if family.mla:
