@@ -1,8 +1,9 @@
-"""Benchmark (issue 12): what int8 and int4 experts cost in accuracy against bf16 experts.
+"""Benchmark (issues 12, 15): what int8, int4 and MXFP4 experts cost in accuracy against bf16.
 
 small-mixtral (bf16 checkpoint, random weights) over the bundled corpus (data/sample_prompts.jsonl,
 chat rows through the chat template): every prompt's first-token logits with experts in bf16
-(the reference), int8 (per output channel) and int4 (per group of 32 inputs), everything else
+(the reference), int8 (per output channel), int4 (per group of 32 inputs) and MXFP4 (E2M1
+values, a power-of-two scale per 32 inputs: GPT-OSS's released format), everything else
 identical (dense weights bf16, fp32 activations and KV). Reported per expert dtype:
   max_abs     the largest |logit difference| over all prompts and the vocabulary
   kl          mean KL(softmax(bf16) || softmax(quantized)) over prompts, in nats
@@ -16,7 +17,7 @@ logit margins, so more of their greedy choices survive the same weight error.
   .venv/bin/python bench/quantized_experts.py            # ~5 minutes on 2 cores
 
 The last line printed is:
-  RESULT int8_top1=<x> int8_kl=<y> int4_top1=<z> int4_kl=<w>
+  RESULT int8_top1=<x> int8_kl=<y> int4_top1=<z> int4_kl=<w> mxfp4_top1=<u> mxfp4_kl=<v>
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from moe_engine.config import EngineConfig  # noqa: E402
 from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from moe_engine.engine.request import Request, SamplingParams  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
+
+QUANTIZED = ("int8", "int4", "mxfp4")
 
 
 def corpus_requests(n: int, new_tokens: int) -> list[Request]:
@@ -94,15 +97,15 @@ def main() -> None:
     ref_logits, ref_tokens, path = run(model_dir, "bf16", requests, args.threads)
     print(f"reference: {path}; {len(requests)} prompts, {args.new_tokens} new tokens", flush=True)
     results = {}
-    for dtype in ("int8", "int4"):
+    for dtype in QUANTIZED:
         logits, tokens, path = run(model_dir, dtype, requests, args.threads)
         results[dtype] = compare((ref_logits, ref_tokens), (logits, tokens))
         r = results[dtype]
         print(f"{dtype}: max |logit diff| {r['max_abs']:.4f}, mean KL {r['kl']:.2e} nats, "
               f"top-1 agreement {r['top1']:.3f}, greedy sequence agreement {r['seq_agree']:.3f} "
               f"({path})", flush=True)
-    print(f"RESULT int8_top1={results['int8']['top1']:.3f} int8_kl={results['int8']['kl']:.2e} "
-          f"int4_top1={results['int4']['top1']:.3f} int4_kl={results['int4']['kl']:.2e}")
+    print("RESULT " + " ".join(f"{d}_top1={results[d]['top1']:.3f} {d}_kl={results[d]['kl']:.2e}"
+                               for d in QUANTIZED))
 
 
 if __name__ == "__main__":
