@@ -285,10 +285,12 @@ def test_llama4_multimodal_checkpoint_saved_by_transformers_loads_its_text_model
     with torch.no_grad():  # the experts are initialised to zeros
         for layer in model.language_model.model.layers:
             if layer.is_moe_layer:
-                for p in (layer.feed_forward.experts.gate_up_proj, layer.feed_forward.experts.down_proj):
+                experts = layer.feed_forward.experts
+                for p in (experts.gate_up_proj, experts.down_proj):
                     p.copy_(torch.randn(p.shape))
     model.save_pretrained(tmp_path)
-    assert any(name.startswith("vision_model.") for name in load_file(str(tmp_path / "model.safetensors")))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert any(name.startswith("vision_model.") for name in stored)
     spec = load_spec(tmp_path)
     assert spec.architecture == "Llama4ForConditionalGeneration" and spec.torch_dtype == "bfloat16"
     assert spec.dense_layers == (0, 2) and spec.dense_intermediate_size == 24

@@ -391,7 +391,8 @@ def _llama4_multimodal_copy(src: Path, out: Path) -> Path:
               "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 8,
                                 "num_hidden_layers": 1}}
     (out / "config.json").write_text(json.dumps(config))
-    state = {"language_model." + name: t for name, t in load_file(str(src / "model.safetensors")).items()}
+    text_state = load_file(str(src / "model.safetensors"))
+    state = {"language_model." + name: t for name, t in text_state.items()}
     state["vision_model.patch_embedding.linear.weight"] = torch.ones(8, 12)
     state["multi_modal_projector.linear_1.weight"] = torch.ones(64, 8)
     save_file(state, str(out / "model.safetensors"))
@@ -407,7 +408,8 @@ def test_llama4_multimodal_checkpoint_runs_its_text_model(builtin_dir, tmp_path)
     assert spec.architecture == "Llama4ForConditionalGeneration"
     assert dataclasses.replace(spec, architecture=text_spec.architecture,
                                name=text_spec.name) == text_spec
-    a, b = load_weights(src, text_spec, torch.float32), load_weights(multimodal, spec, torch.float32)
+    a = load_weights(src, text_spec, torch.float32)
+    b = load_weights(multimodal, spec, torch.float32)
     assert torch.equal(a.lm_head, b.lm_head) and torch.equal(a.embed, b.embed)
     for la, lb in zip(a.layers, b.layers):
         assert all(torch.equal(x, y) for x, y in zip(la.dense.tensors(), lb.dense.tensors()))

@@ -221,13 +221,15 @@ def test_input_scaled_experts_match_llama4_moe_of_transformers(top_k, dtype):
     assert weights.dtype == dtype
     scores = torch.zeros(h.shape[0], E, dtype=dtype).scatter_(1, experts, weights)
     assert torch.equal(scores, ref_scores)
-    experts_w = [swiglu_weights({**fused_expert_parts("gate_up_t", moe.experts.gate_up_proj.data[e]),
-                                 **fused_expert_parts("down_t", moe.experts.down_proj.data[e])})
+    fused = moe.experts
+    experts_w = [swiglu_weights({**fused_expert_parts("gate_up_t", fused.gate_up_proj.data[e]),
+                                 **fused_expert_parts("down_t", fused.down_proj.data[e])})
                  for e in range(E)]
     shared = moe.shared_expert
     dense = DenseLayerWeights(input_norm=None, post_norm=None, wqkv=None, wo=None,
                               shared_expert=swiglu_weights({
-                                  "w1": shared.gate_proj.weight.data, "w3": shared.up_proj.weight.data,
+                                  "w1": shared.gate_proj.weight.data,
+                                  "w3": shared.up_proj.weight.data,
                                   "w2": shared.down_proj.weight.data}))
     rows, ones, idx = input_scaled_routing(h, weights, experts)
     with torch.no_grad():

@@ -1,9 +1,9 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
 Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3/V2,
-GPT-OSS, ERNIE-4.5-MoE and Llama-4 (text) numerically (RMSNorm in fp32, router scores in fp32, top-k weights
-renormalised where the spec says so) so fp32 runs match them to rounding; DeepSeek's latent
-attention is in model/mla.py.
+GPT-OSS, ERNIE-4.5-MoE and Llama-4 (text) numerically (RMSNorm in fp32, router scores in fp32,
+top-k weights renormalised where the spec says so) so fp32 runs match them to rounding;
+DeepSeek's latent attention is in model/mla.py.
 Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
