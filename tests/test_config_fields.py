@@ -104,6 +104,15 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str, bool]] = {
         "tiny-ernie45-moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5", False),
     "ernie45-moe-sliding-window": (
         "tiny-ernie45-moe", {"sliding_window": 16}, "sliding_window=16", False),
+    # Llama-4's mask mapping has full and chunked layers only (another kind is a KeyError);
+    # transformers indexes no_rope_layers by layer.
+    "llama4-sliding-layer-type": (
+        "tiny-llama4", {"layer_types": ["sliding_attention", "chunked_attention",
+                                        "chunked_attention", "full_attention"]},
+        "layer_types has ['sliding_attention']", False),
+    "llama4-short-no-rope-layers": ("tiny-llama4", {"no_rope_layers": [1, 1]},
+                                    "no_rope_layers has 2 entries for 4 layers", False),
+    "llama4-hidden-act-gelu": ("tiny-llama4", {"hidden_act": "gelu"}, "hidden_act='gelu'", True),
     # transformers' V2 router has no such branch (it fails on its missing weights).
     "deepseek-v2-topk-method-noaux-tc": ("tiny-deepseek-v2", {"topk_method": "noaux_tc"},
                                          "topk_method='noaux_tc'", False),
@@ -206,6 +215,18 @@ HONOURED: dict[str, tuple[str, dict[str, Any]]] = {
                              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
                                                  "factor": 4.0,
                                                  "original_max_position_embeddings": 64}}),
+    # Llama-4: an explicit moe_layers list wins over interleave_moe_layer_step (1 would make
+    # every layer MoE, and the checkpoint has no experts on layers 0 and 2); every layer full
+    # (no chunked layer, so no cap on the context); the temperature off; Llama4TextConfig's
+    # theta (500000) and default RoPE when config.json has neither, with keys of the hub's
+    # configs that change nothing at inference.
+    "llama4-explicit-moe-layers": ("tiny-llama4", {"moe_layers": [1, 3],
+                                                   "interleave_moe_layer_step": 1}),
+    "llama4-all-full-attention": ("tiny-llama4", {"layer_types": ["full_attention"] * 4}),
+    "llama4-no-temperature-tuning": ("tiny-llama4", {"attn_temperature_tuning": False}),
+    "llama4-default-theta-hub-keys": (
+        "tiny-llama4", {"rope_theta": None, "rope_scaling": None, "router_jitter_noise": 0.0,
+                        "cache_implementation": "hybrid", "attention_dropout": 0.0}),
     "qwen2-moe-rope-yarn-mscale": (
         "tiny-qwen2-moe", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
                                             "mscale_all_dim": 0.5,
@@ -231,3 +252,29 @@ def test_compose_refuses_a_checkpoint_with_an_unhonoured_field(builtin_dir, tmp_
     model_dir = _variant(builtin_dir("tiny-mixtral"), tmp_path / "windowed", {"sliding_window": 32})
     with pytest.raises(ConfigError, match="sliding_window=32"):
         compose(f"model=hf model.path={model_dir}")
+
+
+def test_llama4_chunked_layers_without_a_chunk_size_are_refused(builtin_dir):
+    """attention_chunk_size null with chunked layers: transformers builds no mask (it raises);
+    the engine refuses the config by name rather than guess a chunk."""
+    cfg = json.loads((builtin_dir("tiny-llama4") / "config.json").read_text())
+    with pytest.raises(UnhonouredFieldError, match="attention_chunk_size=None"):
+        ModelSpec.from_hf_config({**cfg, "attention_chunk_size": None})
+    spec = ModelSpec.from_hf_config({**cfg, "attention_chunk_size": None,
+                                     "layer_types": ["full_attention"] * 4})
+    assert spec.attention_chunk_size is None and spec.max_position_embeddings == 4096
+
+
+def test_llama4_spec_reads_its_fields():
+    """What tiny-llama4's config sets, as ModelSpec holds it: MoE on layers 1 and 3, dense
+    layers intermediate_size_mlp wide, one expert-wide shared expert, layer 3 NoPE with the
+    temperature, the context capped at the chunk."""
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    spec = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-llama4"]))
+    assert spec.dense_layers == (0, 2) and spec.dense_intermediate_size == 128
+    assert spec.shared_expert_intermediate_size == 32 and not spec.shared_expert_gate
+    assert spec.nope_layers == (3,) and spec.qk_l2_norm and spec.rope_interleave
+    assert (spec.attn_temperature_floor, spec.attn_temperature_scale) == (4.0, 0.5)
+    assert spec.attention_chunk_size == 2048 and spec.max_position_embeddings == 2048
+    assert spec.router_scoring == "topk_sigmoid" and spec.router_scales_input

@@ -259,3 +259,52 @@ def test_qwen2_moe_config_without_qkv_bias_key_has_biases(tmp_path):
     assert spec.qkv_bias and not spec.o_bias and not spec.norm_topk_prob
     assert spec.sliding_window is None
     assert spec.shared_expert_intermediate_size == 5632  # transformers' default, as for the bias
+
+
+# transformers' vision rotary table is complex; casting the model to bf16 warns about it.
+@pytest.mark.filterwarnings("ignore:Casting complex values")
+def test_llama4_multimodal_checkpoint_saved_by_transformers_loads_its_text_model(tmp_path):
+    """What transformers' save_pretrained writes for Llama4ForConditionalGeneration (as Scout
+    and Maverick are released: the text config under text_config, the dtype only at the top,
+    language_model.* tensors beside vision_model.* and multi_modal_projector.*) loads as the
+    text model, whose experts compute what transformers' Llama4TextExperts computes: fused
+    gate_up [E, H, 2I] (gate then up) and down [E, I, H], x @ W."""
+    from safetensors.torch import load_file
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from moe_engine.model.layers import swiglu
+
+    text = dict(vocab_size=32, hidden_size=16, intermediate_size=8, intermediate_size_mlp=24,
+                num_hidden_layers=4, head_dim=8, num_attention_heads=2, num_key_value_heads=1,
+                num_local_experts=4, interleave_moe_layer_step=2)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, image_size=28, patch_size=14, vision_output_dim=16,
+                  projector_input_dim=16, projector_output_dim=16, pixel_shuffle_ratio=0.5)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision))
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():  # the experts are initialised to zeros
+        for layer in model.language_model.model.layers:
+            if layer.is_moe_layer:
+                experts = layer.feed_forward.experts
+                for p in (experts.gate_up_proj, experts.down_proj):
+                    p.copy_(torch.randn(p.shape))
+    model.save_pretrained(tmp_path)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert any(name.startswith("vision_model.") for name in stored)
+    spec = load_spec(tmp_path)
+    assert spec.architecture == "Llama4ForConditionalGeneration" and spec.torch_dtype == "bfloat16"
+    assert spec.dense_layers == (0, 2) and spec.dense_intermediate_size == 24
+    assert (spec.num_experts, spec.top_k, spec.shared_expert_intermediate_size) == (4, 1, 8)
+    assert spec.nope_layers == (3,) and spec.qk_l2_norm and spec.rope.theta == 500000.0
+    # transformers' default 131072 positions capped at its default chunk
+    assert spec.attention_chunk_size == 8192 and spec.max_position_embeddings == 8192
+    weights = load_weights(tmp_path, spec, torch.float32)
+    assert [len(layer.experts) for layer in weights.layers] == [0, 4, 0, 4]
+    x = torch.randn(5, 16)
+    for i in (1, 3):
+        ref = model.language_model.model.layers[i].feed_forward.experts
+        assert weights.layers[i].dense.shared_expert is not None
+        for e in range(4):
+            gate, up = (x @ ref.gate_up_proj[e].float()).chunk(2, dim=-1)
+            expected = (up * torch.nn.functional.silu(gate)) @ ref.down_proj[e].float()
+            torch.testing.assert_close(swiglu(weights.layers[i].experts[e], x), expected)

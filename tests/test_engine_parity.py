@@ -215,8 +215,9 @@ _PROJECTION = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "
 def test_fused_expert_layout_of_transformers5_loads_the_same(model_dir, tmp_path):
     """Checkpoints saved with the in-memory names (mlp.experts.gate_up_proj) load identically."""
     src = Path(model_dir)
-    if load_spec(src).model_type == "gpt_oss":
-        pytest.skip("GPT-OSS checkpoints only exist in the fused layout (the built one is)")
+    if load_spec(src).model_type in ("gpt_oss", "llama4_text"):
+        pytest.skip("GPT-OSS and Llama-4 checkpoints only exist in the fused layout (the built "
+                    "one is)")
     state = load_file(str(src / "model.safetensors"))
     spec = load_spec(src)
     fused, experts = {}, {}
@@ -344,6 +345,17 @@ VARIANTS = {
     "ernie45-moe-norm-floor": (
         "tiny-ernie45-moe", dict(moe_norm_min=2.0, first_k_dense_replace=0),
         dict(router_norm_min=2.0, dense_layers=(3,))),
+    # Llama-4 with top-2 routing (each chosen expert on its own scaled input, the outputs
+    # summed), every layer MoE (Scout's interleaving), an explicit no_rope_layers making a dense
+    # and a MoE layer NoPE, q/k/v/o biases; and as Maverick sets it, no q/k norm, with the
+    # default RoPE.
+    "llama4-top2-every-layer-moe-nope-0-3-bias": (
+        "tiny-llama4", dict(num_experts_per_tok=2, decoder_sparse_step=1,
+                            no_rope_layers=(0, 1, 1, 0), attention_bias=True),
+        dict(top_k=2, dense_layers=(), nope_layers=(0, 3), qkv_bias=True, o_bias=True)),
+    "llama4-no-qk-norm-default-rope": (
+        "tiny-llama4", dict(qk_norm=False, rope_scaling=None),
+        dict(qk_l2_norm=False, nope_layers=(3,))),
 }
 
 
@@ -360,3 +372,70 @@ def test_architecture_flags_match_transformers(variant, tmp_path):
     reference = _hf_generate(_hf_model(model_dir), engine.tokenizer, [PROMPTS[i] for i in indices])
     reference = {str(i): reference[str(k)] for k, i in enumerate(indices)}
     _assert_matches(engine, reference, _requests(indices))
+
+
+def _llama4_multimodal_copy(src: Path, out: Path) -> Path:
+    """tiny-llama4 as the released Llama4ForConditionalGeneration checkpoints hold a text
+    model: its config under text_config, its tensors under language_model., beside vision
+    tensors and keys the engine must not read."""
+    import json
+
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    text = json.loads((src / "config.json").read_text())
+    del text["architectures"]
+    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+              "text_config": text, "torch_dtype": "float32", "image_token_index": 200092,
+              "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 8,
+                                "num_hidden_layers": 1}}
+    (out / "config.json").write_text(json.dumps(config))
+    text_state = load_file(str(src / "model.safetensors"))
+    state = {"language_model." + name: t for name, t in text_state.items()}
+    state["vision_model.patch_embedding.linear.weight"] = torch.ones(8, 12)
+    state["multi_modal_projector.linear_1.weight"] = torch.ones(64, 8)
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_llama4_multimodal_checkpoint_runs_its_text_model(builtin_dir, tmp_path):
+    """Llama4ForConditionalGeneration (how Scout and Maverick are released): the text config
+    and language_model.* tensors load as the text model's; the vision ones are never read."""
+    src = builtin_dir("tiny-llama4")
+    multimodal = _llama4_multimodal_copy(src, tmp_path / "multimodal")
+    text_spec, spec = load_spec(src), load_spec(multimodal)
+    assert spec.architecture == "Llama4ForConditionalGeneration"
+    assert dataclasses.replace(spec, architecture=text_spec.architecture,
+                               name=text_spec.name) == text_spec
+    a = load_weights(src, text_spec, torch.float32)
+    b = load_weights(multimodal, spec, torch.float32)
+    assert torch.equal(a.lm_head, b.lm_head) and torch.equal(a.embed, b.embed)
+    for la, lb in zip(a.layers, b.layers):
+        assert all(torch.equal(x, y) for x, y in zip(la.dense.tensors(), lb.dense.tensors()))
+        assert all(torch.equal(x.w13, y.w13) and torch.equal(x.w2, y.w2)
+                   for x, y in zip(la.experts, lb.experts))
+    engine = LLMEngine(multimodal, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
+    indices = [2, 3]
+    reference = _hf_generate(_hf_model(src), engine.tokenizer, [PROMPTS[i] for i in indices])
+    _assert_matches(engine, {str(i): reference[str(k)] for k, i in enumerate(indices)},
+                    _requests(indices))
+
+
+def test_llama4_context_is_capped_at_the_attention_chunk(tmp_path):
+    """Within one chunk, chunked attention is causal attention: the engine caps the context at
+    attention_chunk_size (the RoPE layers' chunk), matches transformers up to it, and refuses a
+    prompt that would reach past it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ck.PRESETS, "llama4-chunk-24",
+                   dataclasses.replace(ck.PRESETS["tiny-llama4"], attention_chunk_size=24))
+        model_dir = ck.build_checkpoint("llama4-chunk-24", tmp_path / "chunk", seed=0)
+    spec = load_spec(model_dir)
+    assert spec.attention_chunk_size == 24 and spec.max_position_embeddings == 24
+    engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.01), dtype="float32")
+    assert engine.max_model_len == 24
+    short = [3]  # 8 tokens: 20 with its new ones, inside the chunk
+    reference = _hf_generate(_hf_model(model_dir), engine.tokenizer, [PROMPTS[3]])
+    _assert_matches(engine, {"3": reference["0"]}, _requests(short))
+    [long] = engine.generate(_requests([2]))  # 36 tokens
+    assert long.status == "rejected" and "context limit is 24" in long.error

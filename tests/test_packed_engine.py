@@ -49,10 +49,11 @@ def test_bf16_checkpoint_on_packed_kernels_matches_fp32_transformers(bf16_dir):
 
 # GLM-4.5 too: its router runs on an fp32 copy of the weight there and its shared expert is
 # ungated, neither of which the packed path shares; ERNIE-4.5's router weight is fp32 as stored.
-# tiny-gpt-oss-mxfp4: torch's GEMMs widen the MXFP4 experts at load (exactly).
+# tiny-gpt-oss-mxfp4: torch's GEMMs widen the MXFP4 experts at load (exactly). Llama-4: its
+# input-scaled rows through torch's per-expert GEMMs.
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-glm4-moe", "tiny-deepseek-v3",
                                     "tiny-deepseek-v2", "tiny-gpt-oss", "tiny-gpt-oss-mxfp4",
-                                    "tiny-ernie45-moe"])
+                                    "tiny-ernie45-moe", "tiny-llama4"])
 def test_torch_gemm_path_stays_at_parity(preset, builtin_dir):
     model_dir = builtin_dir(preset)
     engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.02, gemm="torch"),
@@ -79,7 +80,7 @@ def _logits_of(engine, requests, rid):
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe",
                                     "tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-gpt-oss",
-                                    "tiny-ernie45-moe"])
+                                    "tiny-ernie45-moe", "tiny-llama4"])
 def test_row_logits_are_bitwise_identical_alone_and_in_batches_of_7_and_64(preset, builtin_dir):
     engine = LLMEngine(builtin_dir(preset), EngineConfig(threads=2, kv_cache_gb=0.05,
                                                          num_micro_batches=3))

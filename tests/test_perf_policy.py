@@ -102,11 +102,13 @@ GPT_OSS_CASES = [(hw, name, wl) for hw in ("a100", "h100") for name in ("gpt-oss
 DEEPSEEK_CASES = [("h100", "deepseek-v3", MTBENCH)]
 # ERNIE-4.5-21B-A3B (~44 GB in bf16, tied head) on a 24 GB card: experts partly on the host.
 ERNIE_CASES = [("l4", "ernie-4.5-21b-a3b", MTBENCH)]
+# Llama-4 Scout (~216 GB in bf16, 16 experts of 252 MB a layer) on an H100.
+LLAMA4_CASES = [("h100", "llama-4-scout-17b-16e", MTBENCH)]
 
 
 @pytest.mark.parametrize("hw_name,model_name,wl",
                          PRESET_CASES[::3] + GLM_CASES + DEEPSEEK_CASES + GPT_OSS_CASES
-                         + ERNIE_CASES)
+                         + ERNIE_CASES + LLAMA4_CASES)
 def test_policy_satisfies_memory_constraints_and_stage1_bound(hw_name, model_name, wl):
     hw, m = load_preset(hw_name), reference_model(model_name)
     r = choose_policy(m, hw, wl, backend="cuda")

@@ -17,7 +17,9 @@ PUBLISHED_PARAMS = {"mixtral-8x7b": 46.7, "mixtral-8x22b": 140.6, "qwen1.5-moe-a
                     "glm-4.5": 355, "glm-4.5-air": 106, "deepseek-v3": 671,
                     "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8,
                     # the hub's count of the -PT checkpoint; the model card says "21B"
-                    "ernie-4.5-21b-a3b": 21.8}
+                    "ernie-4.5-21b-a3b": 21.8,
+                    # Meta's totals count the vision encoder (~0.8B) the spec leaves out
+                    "llama-4-scout-17b-16e": 109, "llama-4-maverick-17b-128e": 400}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_CONFIGS))
@@ -166,6 +168,36 @@ def test_ernie_4_5_reference_config_counts_every_weight_once():
     assert (m.router_scoring, m.router_score_correction, m.rope_interleave) == ("softmax", True, True)
     assert m.kv_bytes_per_token == 28 * 4 * 2 * 128 * 2
     assert m.rope.theta == 500000
+
+
+LLAMA4_ATTENTION = 5120 * (5120 + 2 * 1024) + 5120 * 5120  # GQA 40/8 heads of 128, no bias
+
+
+@pytest.mark.parametrize("name,experts,moe_layers", [("llama-4-scout-17b-16e", 16, 48),
+                                                     ("llama-4-maverick-17b-128e", 128, 24)])
+def test_llama4_reference_configs_count_every_weight_once(name, experts, moe_layers):
+    """Llama-4 Scout and Maverick, text model counted by hand: MoE layers hold the router,
+    `experts` experts of 8192 and one shared expert as wide (3 x 5120 x 8192 each); Maverick's
+    other 24 layers a dense MLP of 16384; two 202048-row tables. Scout 107.77B and Maverick
+    400.71B against Meta's 109B / 400B (Scout's with its ~0.8B vision encoder). "17B active":
+    a token's decoder layers hold 15.1B in both, 17.2B with the embedding and LM head, which
+    is how that figure counts (checked to 2%)."""
+    m = reference_model(name)
+    h, expert = 5120, 3 * 5120 * 8192
+    moe = LLAMA4_ATTENTION + experts * h + expert + 2 * h  # router, shared expert, norms
+    dense = LLAMA4_ATTENTION + 3 * h * 16384 + 2 * h
+    tables = 2 * 202048 * h
+    assert m.architecture == "Llama4ForConditionalGeneration" and m.model_type == "llama4_text"
+    assert m.num_moe_layers == moe_layers and m.num_dense_layers == 48 - moe_layers
+    assert m.total_params == moe_layers * (moe + experts * expert) + (48 - moe_layers) * dense \
+        + tables + h
+    assert m.active_params == moe_layers * (moe + expert) + (48 - moe_layers) * dense
+    assert (m.active_params + tables) / 1e9 == pytest.approx(17, rel=0.02)
+    assert m.nope_layers == tuple(range(3, 48, 4)) and m.attention_chunk_size == 8192
+    # chunked attention is honoured by the context cap, so the context is one chunk
+    assert m.max_position_embeddings == 8192
+    assert m.kv_bytes_per_token == 48 * 8 * 2 * 128 * 2
+    assert (m.router_scoring, m.router_scales_input, m.top_k) == ("topk_sigmoid", True, 1)
 
 
 def test_qwen3_moe_explicit_head_dim():

@@ -2,7 +2,8 @@
 a score-correction bias for choosing, group-limited top-k by the sum of each group's two best
 scores, routed scaling) and DeepSeek-V2's group_limited_greedy (softmax scores, groups scored by
 their best expert), ERNIE-4.5's (softmax scores, its moe_statics bias for choosing, the sum
-floored at moe_norm_min), on tokens whose routing the bias and the group limit both change."""
+floored at moe_norm_min), on tokens whose routing the bias and the group limit both change;
+Llama-4's whole MoE block (the sigmoid of the top-k logits scaling the experts' inputs)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from moe_engine.model.layers import limit_to_top_groups, route
+from moe_engine.model.layers import (ffn_output, input_scaled_routing, limit_to_top_groups,
+                                     moe_ffn, route, sum_routed_rows)
 from moe_engine.model.spec import ModelSpec
 
 H, E, TOP_K, GROUPS, KEPT = 64, 16, 4, 4, 2
@@ -178,6 +180,63 @@ def test_ernie_router_casts_its_weights_to_the_activations_dtype():
     weights, experts = route(weight, h16, _spec(**ERNIE_ROUTER), bias)
     assert weights.dtype == ref[0].dtype == torch.bfloat16
     _assert_same_routing((weights.float(), experts), (ref[0].float(), ref[1]))
+
+
+LLAMA4_ROUTER = dict(router_scoring="topk_sigmoid", norm_topk_prob=False,
+                     router_weights_fp32=False, router_scales_input=True)
+
+
+def _llama4_moe(top_k: int, dtype: torch.dtype):
+    """transformers' Llama4TextMoe with random weights (fused x @ W experts, shared expert)."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = Llama4TextConfig(hidden_size=H, intermediate_size=32, num_local_experts=E,
+                              num_experts_per_tok=top_k)
+    moe = Llama4TextMoe(config)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-2 if p.dim() == 3 else -1] ** 0.5)
+        moe.router.weight.mul_(2.0)
+    return moe.to(dtype).eval()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_scaled_experts_match_llama4_moe_of_transformers(top_k, dtype):
+    """Llama-4: top-k over the logits, their sigmoid scales each chosen expert's input (not its
+    output), outputs summed with the ungated shared expert; the fused gate_up [E, H, 2I] is gate
+    then up. The engine's rows of input_scaled_routing through moe_ffn give the same block."""
+    from moe_engine.model.loader import fused_expert_parts, swiglu_weights
+    from moe_engine.model.weights import DenseLayerWeights
+
+    moe = _llama4_moe(top_k, dtype)
+    h = torch.randn(64, H, generator=torch.Generator().manual_seed(7)).to(dtype)
+    with torch.no_grad():
+        ref_out, _ = moe(h)
+        ref_scores, _ = moe.router(h)
+    spec = dataclasses.replace(_spec(**LLAMA4_ROUTER), top_k=top_k)
+    weights, experts = route(moe.router.weight.data, h, spec)
+    assert weights.dtype == dtype
+    scores = torch.zeros(h.shape[0], E, dtype=dtype).scatter_(1, experts, weights)
+    assert torch.equal(scores, ref_scores)
+    fused = moe.experts
+    experts_w = [swiglu_weights({**fused_expert_parts("gate_up_t", fused.gate_up_proj.data[e]),
+                                 **fused_expert_parts("down_t", fused.down_proj.data[e])})
+                 for e in range(E)]
+    shared = moe.shared_expert
+    dense = DenseLayerWeights(input_norm=None, post_norm=None, wqkv=None, wo=None,
+                              shared_expert=swiglu_weights({
+                                  "w1": shared.gate_proj.weight.data,
+                                  "w3": shared.up_proj.weight.data,
+                                  "w2": shared.down_proj.weight.data}))
+    rows, ones, idx = input_scaled_routing(h, weights, experts)
+    with torch.no_grad():
+        routed = sum_routed_rows(moe_ffn(experts_w, rows, ones, idx), h.shape[0])
+        out = ffn_output(dense, h, routed)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
 
 
 def test_limit_to_top_groups_keeps_the_best_groups_by_each_score():

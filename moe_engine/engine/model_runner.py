@@ -16,8 +16,9 @@ import torch
 
 from moe_engine.model.attention import DecodeAttention, prefill_attention
 from moe_engine.model.kv_cache import KVCache
-from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output, linear,
-                                     moe_ffn, qkv_projection, rms_norm, route)
+from moe_engine.model.layers import (RotaryTable, attention_output, ffn_output,
+                                     input_scaled_routing, linear, moe_ffn, qkv_projection,
+                                     rms_norm, route, sum_routed_rows)
 from moe_engine.model.mla import latent_to_values, mla_projection
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ModelWeights
@@ -73,11 +74,20 @@ class Activation:
 
 @dataclass
 class Routed:
-    """A micro-batch after post_attention: FFN input h and its routing (None in a dense layer)."""
+    """A micro-batch after post_attention: FFN input h and its routing (None in a dense layer).
+
+    expert_rows: the routed experts' input when it is not h (Llama-4's rows scaled by their
+    routing weights, one per token and slot, layers.input_scaled_routing); weights and experts
+    then index those rows."""
 
     h: torch.Tensor
     weights: Optional[torch.Tensor] = None
     experts: Optional[torch.Tensor] = None
+    expert_rows: Optional[torch.Tensor] = None
+
+    @property
+    def expert_input(self) -> torch.Tensor:
+        return self.h if self.expert_rows is None else self.expert_rows
 
 
 class ModelRunner:
@@ -92,6 +102,7 @@ class ModelRunner:
         self.attention = attention
         self.dtype = dtype
         self.rope = RotaryTable(spec, max_positions, dtype)
+        self.nope_layers = frozenset(spec.nope_layers)
         self.scale = spec.attention_scale
         # Attention's own parameters (GPT-OSS's sinks) live where attention runs, next to the KV
         # cache: the offload pipeline moves the dense weights to the device but may attend on
@@ -122,7 +133,8 @@ class ModelRunner:
         dense = self.weights.layers[layer].dense
         h = rms_norm(act.x, dense.input_norm, self.spec.rms_norm_eps)
         project = qkv_projection if dense.mla is None else mla_projection
-        act.q, act.k, act.v = project(dense, h, self.spec, self.rope, mb.positions)
+        rope = None if layer in self.nope_layers else self.rope
+        act.q, act.k, act.v = project(dense, h, self.spec, rope, mb.positions)
         self.times.dense_s += time.perf_counter() - t0
 
     def attend(self, layer: int, mb: MicroBatchInput, act: Activation) -> None:
@@ -163,6 +175,9 @@ class ModelRunner:
                                                      dense.router_bias)
             if self.routing_observer is not None:
                 self.routing_observer(layer, routed.experts)
+            if self.spec.router_scales_input:
+                routed.expert_rows, routed.weights, routed.experts = input_scaled_routing(
+                    h, routed.weights, routed.experts)
         self.times.dense_s += time.perf_counter() - t0
         return routed
 
@@ -172,14 +187,18 @@ class ModelRunner:
 
         The routed experts' weighted sum is computed here from this runner's expert weights
         unless `experts_out` brings it (the offload pipeline computes it expert by expert,
-        wherever each one's weights are); the dense weights' part is added here either way.
+        wherever each one's weights are, one row per Routed.expert_input row); the dense
+        weights' part is added here either way.
         """
         t0 = time.perf_counter()
         h = routed[0].h if len(routed) == 1 else torch.cat([r.h for r in routed])
         if experts_out is None and self.spec.is_moe_layer(layer):
+            rows = torch.cat([r.expert_input for r in routed])
             weights = torch.cat([r.weights for r in routed])
             experts = torch.cat([r.experts for r in routed])
-            experts_out = moe_ffn(self.weights.layers[layer].experts, h, weights, experts)
+            experts_out = moe_ffn(self.weights.layers[layer].experts, rows, weights, experts)
+        if experts_out is not None:
+            experts_out = sum_routed_rows(experts_out, h.shape[0])
         out = ffn_output(self.weights.layers[layer].dense, h, experts_out)
         start = 0
         for act in acts:

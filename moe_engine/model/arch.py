@@ -18,7 +18,8 @@ config may omit). Slots:
           odd ones) with gate_up_bias_interleaved [E, 2*I], down_t [E, I, H] with down_bias [E, H];
           its released MXFP4 checkpoints: gate_up_blocks [E, 2*I, H/32, 16] (gate in the even
           rows) and gate_up_scales [E, 2*I, H/32], down_blocks [E, H, I/32, 16] and down_scales
-          [E, H, I/32] (model/mxfp4.py)
+          [E, H, I/32] (model/mxfp4.py); Llama-4's: gate_up_t [E, H, 2*I] (x @ W: gate in the
+          first I columns, up in the last) and down_t [E, I, H]
 """
 from __future__ import annotations
 
@@ -147,6 +148,20 @@ _GPT_OSS_BLOCK = (
 # The hub's bf16 checkpoints and transformers' save_pretrained use the in-memory names.
 GPT_OSS_TABLE = _COMMON + _ATTENTION_BIAS + _GPT_OSS_BLOCK
 
+# Llama-4: Llama4ForCausalLM's names, and the same under language_model. as the released
+# Llama4ForConditionalGeneration checkpoints hold the text model (its vision_model.* and
+# multi_modal_projector.* tensors match no rule). The FFN is feed_forward: a dense MLP, or a
+# router, fused experts (x @ W layout) and an ungated shared_expert.
+_LM = r"(?:language_model\.)?"
+_L4 = _LM + _L
+_LLAMA4_FFN = r"feed_forward"
+LLAMA4_TABLE = tuple((_LM + p, scope, slot) for p, scope, slot in _COMMON + _ATTENTION_BIAS) + (
+    (_L4 + _LLAMA4_FFN + r"\.router\.weight", "layer", "router"),
+    (_L4 + _LLAMA4_FFN + r"\.experts\.gate_up_proj", "fused", "gate_up_t"),
+    (_L4 + _LLAMA4_FFN + r"\.experts\.down_proj", "fused", "down_t"),
+) + tuple((_LM + p, scope, slot) for p, scope, slot in
+          _swiglu(_LLAMA4_FFN + r"\.shared_expert", "shared") + _swiglu(_LLAMA4_FFN, "mlp"))
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -175,6 +190,12 @@ class Architecture:
     spec.py reads the value under the engine's name.
     router_weight_fp32: the router weight is kept as the checkpoint stores it (fp32 in
     ERNIE-4.5's _keep_in_fp32_modules_strict), not rounded to the model dtype on load.
+    router_scales_input: the routing weights scale each expert's input, not its output
+    (Llama-4; see layers.input_scaled_routing). text_config: the text model's keys sit under
+    this key of config.json (a multimodal checkpoint's, Llama4ForConditionalGeneration);
+    spec.py reads them as a text model's config. llama4_attention: Llama4TextConfig's
+    attention keys are read (NoPE layers, L2 q/k norm, attention temperature, chunked
+    attention; see ModelSpec).
     """
 
     model_type: str
@@ -196,6 +217,17 @@ class Architecture:
     mla: bool = False
     key_map: tuple[tuple[str, str], ...] = ()
     router_weight_fp32: bool = False
+    router_scales_input: bool = False
+    text_config: Optional[str] = None
+    llama4_attention: bool = False
+
+    def text_model_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """`cfg` as a text model's config: the keys under text_config (where the architecture
+        nests them) with the checkpoint's architectures and dtype, else `cfg` itself."""
+        if self.text_config is None or not isinstance(cfg.get(self.text_config), dict):
+            return cfg
+        outer = {k: cfg[k] for k in ("architectures", "dtype", "torch_dtype") if k in cfg}
+        return {**cfg[self.text_config], **outer}
 
     def canonical_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """`cfg` with the values of key_map's own keys also under the engine's names."""
@@ -290,6 +322,28 @@ ARCHITECTURES: dict[str, Architecture] = {
                ("rope_interleave", True)),
         router_logits_fp32=True, default_rope_theta=500000.0, router_weight_fp32=True),
 }
+
+# Defaults from transformers' Llama4TextConfig. MoE layers: moe_layers, else every
+# interleave_moe_layer_step-th; dense layers' MLP is intermediate_size_mlp wide, the shared
+# expert intermediate_size (one expert's). The router sigmoids the top-k logits (in the model
+# dtype) and the weights scale the experts' inputs. RoPE rotates complex pairs (2i, 2i+1)
+# (apply_rotary_emb's view_as_complex) on the layers no_rope_layers marks 1; the others (NoPE)
+# get the attention temperature instead; see spec.py for the chunked attention.
+_LLAMA4 = dict(
+    names=LLAMA4_TABLE,
+    key_map=(("decoder_sparse_step", "interleave_moe_layer_step"),),
+    config_keys=(("attention_bias", False), ("decoder_sparse_step", 1), ("moe_layers", None),
+                 ("intermediate_size_mlp", 16384), ("use_qk_norm", True),
+                 ("no_rope_layers", None), ("no_rope_layer_interval", 4),
+                 ("attention_chunk_size", 8192), ("layer_types", None),
+                 ("attn_temperature_tuning", True), ("floor_scale", 8192), ("attn_scale", 0.1)),
+    fixed=(("norm_topk_prob", False), ("n_shared_experts", 1), ("rope_interleave", True)),
+    router_scoring="topk_sigmoid", router_weights_fp32=False, default_rope_theta=500000.0,
+    router_scales_input=True, llama4_attention=True)
+ARCHITECTURES["Llama4ForCausalLM"] = Architecture("llama4_text", **_LLAMA4)
+# The released checkpoints: the text model of the multimodal one (vision left unread).
+ARCHITECTURES["Llama4ForConditionalGeneration"] = Architecture("llama4", text_config="text_config",
+                                                               **_LLAMA4)
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -1,8 +1,8 @@
 """config.json fields that would change the math but the engine does not compute: refused at load.
 
-Audited field by field against transformers' configuration and modeling files of the nine
+Audited field by field against transformers' configuration and modeling files of the ten
 families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3, DeepSeek-V2, GPT-OSS,
-ERNIE-4.5-MoE). A field is in one of three groups:
+ERNIE-4.5-MoE, Llama-4). A field is in one of three groups:
   honoured: spec.py reads it into ModelSpec and the layers compute it (shapes, rms_norm_eps,
       RoPE default/dynamic/linear/llama3/yarn, biases, q/k norms, clip_qkv, norm_topk_prob, shared
       experts, dense layers, tied embeddings, dtype; GLM-4.5's partial_rotary_factor,
@@ -11,7 +11,14 @@ ERNIE-4.5-MoE). A field is in one of three groups:
       topk_method, YaRN's mscale_all_dim in the softmax scale; GPT-OSS's layer_types with
       sliding_window, swiglu_alpha, swiglu_limit, attention_bias and its YaRN with truncate;
       ERNIE-4.5's moe_num_experts, moe_k, moe_intermediate_size, moe_num_shared_experts,
-      moe_layer_start_index/end_index/interval, moe_norm_min, default theta 500000);
+      moe_layer_start_index/end_index/interval, moe_norm_min, default theta 500000;
+      Llama-4's interleave_moe_layer_step, moe_layers, intermediate_size_mlp, its router
+      (sigmoid of the top-k logits scaling the experts' inputs, any num_experts_per_tok),
+      no_rope_layers / no_rope_layer_interval, use_qk_norm (L2 on RoPE layers),
+      attn_temperature_tuning with floor_scale and attn_scale, attention_bias, default theta
+      500000, and its text_config under Llama4ForConditionalGeneration; attention_chunk_size
+      and layer_types (chunked_attention on RoPE layers) by capping the context at the chunk,
+      within which chunked attention is causal attention);
   inert at inference: initializer_range, use_cache, pad/bos/eos_token_id, output_router_logits,
       router_aux_loss_coef, attention_dropout and router_jitter_noise (transformers applies both
       only in training), attention_bias on Mixtral and Qwen2-MoE (their attention never reads
@@ -23,8 +30,10 @@ ERNIE-4.5-MoE). A field is in one of three groups:
       key says); ERNIE-4.5 keys of the hub's configs transformers never reads (moe_capacity,
       moe_gate, moe_use_aux_free: its router always adds the moe_statics bias;
       num_nextn_predict_layers and multi_token_pred_lambda: the MTP weights are not loaded);
+      Llama4ForConditionalGeneration's vision_config and image keys (text-only generation);
   refused here: everything else that transformers computes, each naming the field and value
-      (ERNIE-4.5's use_bias=True among them).
+      (ERNIE-4.5's use_bias=True among them; Llama-4's layer kinds other than full and
+      chunked, a chunked layer without a chunk size, a short no_rope_layers).
 It never opens a file: spec.py reads config.json and hands over the dict, and reads the RoPE
 parameters and the effective window through the helpers here, so reader and judge agree.
 """
@@ -226,9 +235,52 @@ def _check_ernie(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
             "head are not implemented for ERNIE-4.5")
 
 
+# Llama4ForCausalLM's config, and the multimodal one's text_config (read as a text config).
+LLAMA4_TYPES = ("llama4_text", "llama4")
+LLAMA4_LAYER_KINDS = ("full_attention", "chunked_attention")
+
+
+def llama4_rope_layers(cfg: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Whether each layer applies RoPE, as Llama4TextConfig fills no_rope_layers (1: RoPE): the
+    config's list, else every no_rope_layer_interval-th layer without."""
+    flags = cfg.get("no_rope_layers") or [
+        int((i + 1) % int(cfg.get("no_rope_layer_interval") or 4) != 0) for i in range(num_layers)]
+    return [bool(flags[i]) for i in range(num_layers)]
+
+
+def llama4_layer_types(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Each layer's attention kind: the config's layer_types, else RoPE layers chunked and NoPE
+    layers full, as Llama4TextConfig fills them."""
+    explicit = cfg.get("layer_types")
+    if explicit:
+        return [str(t) for t in explicit]
+    return ["chunked_attention" if rope else "full_attention"
+            for rope in llama4_rope_layers(cfg, num_layers)]
+
+
+def _check_llama4(cfg: Mapping[str, Any], model_type: str) -> Optional[str]:
+    if model_type not in LLAMA4_TYPES:
+        return None
+    layers = int(cfg.get("num_hidden_layers", 0))
+    flags = cfg.get("no_rope_layers")
+    if flags and len(flags) < layers:  # transformers fails indexing it
+        return f"no_rope_layers has {len(flags)} entries for {layers} layers"
+    problems = []
+    kinds = llama4_layer_types(cfg, layers)
+    unknown = sorted(set(kinds) - set(LLAMA4_LAYER_KINDS))
+    if unknown:
+        problems.append(f"layer_types has {unknown}: Llama-4 layers are "
+                        f"{', '.join(LLAMA4_LAYER_KINDS)}")
+    # Llama4TextConfig's default chunk is 8192; transformers fails on a chunked layer without.
+    if "chunked_attention" in kinds and cfg.get("attention_chunk_size", 8192) is None:
+        problems.append("attention_chunk_size=None with chunked_attention layers: transformers "
+                        "builds no mask for them")
+    return "; ".join(problems) or None
+
+
 CHECKS: tuple[Callable[[Mapping[str, Any], str], Optional[str]], ...] = (
     _check_sliding_window, _check_activation, _check_rope_type, _check_partial_rotary,
-    _check_quantization, _check_deepseek, _check_ernie)
+    _check_quantization, _check_deepseek, _check_ernie, _check_llama4)
 
 
 def refuse_unhonoured_fields(cfg: Mapping[str, Any], model_type: str) -> None:

@@ -1,9 +1,9 @@
 """The math of a MoE decoder layer as plain functions over packed tokens [T, ...].
 
 Mirrors transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5-MoE, DeepSeek-V3/V2,
-GPT-OSS and ERNIE-4.5-MoE numerically (RMSNorm in fp32, router scores in fp32, top-k weights
-renormalised where the spec says so) so fp32 runs match them to rounding; DeepSeek's latent
-attention is in model/mla.py.
+GPT-OSS, ERNIE-4.5-MoE and Llama-4 (text) numerically (RMSNorm in fp32, router scores in fp32,
+top-k weights renormalised where the spec says so) so fp32 runs match them to rounding;
+DeepSeek's latent attention is in model/mla.py.
 Where the architectures differ, a ModelSpec flag picks the branch.
 """
 from __future__ import annotations
@@ -95,7 +95,8 @@ class RotaryTable:
     With a partial rotary factor (GLM-4.5) only the first `rotary_dim` dims of a head rotate,
     by the rotate-half pairing (i, i + rotary_dim/2) within them, as transformers'
     apply_rotary_pos_emb does; the frequencies are those of a head of rotary_dim dims. With
-    rope_interleave (DeepSeek, ERNIE-4.5) dims (2i, 2i+1) rotate together by frequency i instead.
+    rope_interleave (DeepSeek, ERNIE-4.5, Llama-4) dims (2i, 2i+1) rotate together by frequency
+    i instead.
     """
 
     def __init__(self, spec: ModelSpec, max_positions: int, dtype: torch.dtype):
@@ -135,11 +136,28 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-4's weightless q/k norm: x / sqrt(mean(x^2) + eps) over the last dim, in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention_temperature(q: torch.Tensor, positions: torch.Tensor,
+                          spec: ModelSpec) -> torch.Tensor:
+    """q [T, nq, d] scaled by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) at its
+    position p (Llama-4's NoPE layers), in fp32 as transformers computes it."""
+    floor = torch.floor((positions.float() + 1.0) / spec.attn_temperature_floor)
+    scale = torch.log1p(floor) * spec.attn_temperature_scale + 1.0
+    return (q * scale.view(-1, 1, 1)).to(q.dtype)
+
+
 def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
-                   rope: RotaryTable, positions: torch.Tensor
+                   rope: Optional[RotaryTable], positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused q|k|v GEMM (+ bias), q/k norm and clipping where the spec has them, RoPE;
-    returns q [T, nq, d], k and v [T, nkv, d]."""
+    returns q [T, nq, d], k and v [T, nkv, d]. rope None: a layer without RoPE (Llama-4's
+    NoPE layers, whose q gets the attention temperature where the spec tunes it); Llama-4's
+    L2 q/k norm follows RoPE on the other layers."""
     qkv = linear(h, dense.wqkv, dense.bqkv)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     eps = spec.rms_norm_eps
@@ -153,8 +171,15 @@ def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
     k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm == "head":
         q, k = rms_norm(q, dense.q_norm, eps), rms_norm(k, dense.k_norm, eps)
-    return (rope.apply(q, positions), rope.apply(k, positions),
-            v.reshape(t, spec.num_kv_heads, spec.head_dim))
+    v = v.reshape(t, spec.num_kv_heads, spec.head_dim)
+    if rope is None:
+        if spec.attn_temperature_floor is not None:
+            q = attention_temperature(q, positions, spec)
+        return q, k, v
+    q, k = rope.apply(q, positions), rope.apply(k, positions)
+    if spec.qk_l2_norm:
+        q, k = l2_norm(q, eps), l2_norm(k, eps)
+    return q, k, v
 
 
 def attention_output(dense: DenseLayerWeights, attn: torch.Tensor) -> torch.Tensor:
@@ -174,7 +199,8 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     un-biased scores, renormalised if the spec says so, times routed_scaling_factor.
 
     GPT-OSS ("topk_softmax"): the router GEMM has a bias, top-k runs over the logits and the
-    weights are the softmax of the k chosen logits.
+    weights are the softmax of the k chosen logits. Llama-4 ("topk_sigmoid"): the weights are
+    the sigmoid of the k chosen logits (they scale the experts' inputs, input_scaled_routing).
 
     Weights stay fp32 for Mixtral and GLM-4.5; the others cast them to the activations' dtype
     before scaling the expert outputs (same result in fp32).
@@ -182,9 +208,10 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     # fp32 logits from an fp32 weight (loaded so) where transformers computes them so.
     x = h.float() if spec.router_logits_fp32 else h
     logits = linear(x, router, router_bias).float()
-    if spec.router_scoring == "topk_softmax":
+    if spec.router_scoring in ("topk_softmax", "topk_sigmoid"):
         chosen, experts = torch.topk(logits, spec.top_k, dim=-1)
-        weights = torch.softmax(chosen, dim=-1)
+        weights = (torch.softmax(chosen, dim=-1) if spec.router_scoring == "topk_softmax"
+                   else torch.sigmoid(chosen))
         return (weights if spec.router_weights_fp32 else weights.to(h.dtype)), experts
     if spec.router_scoring == "sigmoid":
         scores = torch.sigmoid(logits)
@@ -211,6 +238,27 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     if not spec.router_weights_fp32:
         weights = weights.to(h.dtype)
     return weights, experts
+
+
+def input_scaled_routing(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama-4's routing as the experts' usual weighted-sum input: each (token, slot) becomes a
+    row h[t] * weights[t, s] (rounded to h's dtype, as transformers scales routed_in) routed to
+    experts[t, s] alone with weight 1. Returns rows [T*k, H], weights [T*k, 1] (ones) and
+    experts [T*k, 1]; every path that computes experts (moe_ffn, the packed kernels, the
+    offload pipeline's streamed and CPU-placed experts) then gives expert(w * h) per row, and
+    sum_routed_rows adds a token's k rows back up."""
+    t, k = experts.shape
+    rows = (h.unsqueeze(1) * weights.to(h.dtype).unsqueeze(-1)).reshape(t * k, h.shape[-1])
+    return rows, torch.ones(t * k, 1, dtype=weights.dtype, device=h.device), experts.reshape(-1, 1)
+
+
+def sum_routed_rows(out: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The experts' output per token: out [tokens * k, H] from input_scaled_routing's rows
+    summed over each token's k rows (out itself when it already has a row per token)."""
+    if out.shape[0] == tokens:
+        return out
+    return out.view(tokens, -1, out.shape[-1]).sum(dim=1)
 
 
 def limit_to_top_groups(scores: torch.Tensor, n_group: int, topk_group: int,

@@ -232,6 +232,10 @@ INTERLEAVED_SLOTS = frozenset({"gate_up_interleaved", "gate_up_bias_interleaved"
                                "down_bias"})
 MXFP4_SLOTS = frozenset({"gate_up_blocks", "gate_up_scales", "gate_up_bias_interleaved",
                          "down_blocks", "down_scales", "down_bias"})
+# Llama-4's fused experts, x @ W without biases.
+TRANSPOSED_SLOTS = frozenset({"gate_up_t", "down_t"})
+# Fused layouts whose experts are converted on reading (not [gate; up] rows as stored).
+CONVERTED_LAYOUTS = (INTERLEAVED_SLOTS, MXFP4_SLOTS, TRANSPOSED_SLOTS)
 
 
 def fused_expert_parts(slot: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -241,13 +245,18 @@ def fused_expert_parts(slot: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     transformers 5 layout: gate_up [2I, H] = cat(w1, w3); down [H, I]. GPT-OSS's: gate_up
     [H, 2I] with gate in the even columns and up in the odd ones (its _apply_gate slices
     [..., ::2] and [..., 1::2]), its bias [2I] alike, down [I, H] (x @ W, so transposed to
-    the [out, in] rows F.linear takes), its bias [H].
+    the [out, in] rows F.linear takes), its bias [H]. Llama-4's: gate_up_t [H, 2I] with gate in
+    the first I columns and up in the last (its experts chunk(2) the product), down_t as
+    GPT-OSS's.
     """
     if slot == "gate_up":
         w1, w3 = t.chunk(2, dim=0)
         return {"w1": w1.clone(), "w3": w3.clone()}
     if slot == "gate_up_interleaved":
         return {"w1": t[:, ::2].T.contiguous(), "w3": t[:, 1::2].T.contiguous()}
+    if slot == "gate_up_t":
+        w1, w3 = t.T.chunk(2, dim=0)
+        return {"w1": w1.contiguous(), "w3": w3.contiguous()}
     if slot == "gate_up_bias_interleaved":
         return {"b1": t[::2].contiguous(), "b3": t[1::2].contiguous()}
     if slot == "down_t":

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from moe_engine.model.arch import UnsupportedArchitectureError, architecture, architecture_name
 from moe_engine.model.config_audit import (checkpoint_expert_storage, layer_types,
+                                           llama4_layer_types, llama4_rope_layers,
                                            refuse_unhonoured_fields, rope_parameters, rope_type,
                                            sliding_window)
 
@@ -97,7 +98,8 @@ def is_sparse_layer(layer: int, decoder_sparse_step: int = 1, mlp_only_layers: S
 
 
 # "topk_softmax" (GPT-OSS): top-k over the raw logits, softmax over the k chosen ones.
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+# "topk_sigmoid" (Llama-4): top-k over the raw logits, sigmoid of the k chosen ones.
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 GROUP_SCORES = ("top2_sum", "max")
@@ -184,6 +186,20 @@ class ModelSpec:
     # Routed experts stored quantized (EXPERT_STORAGE_BITS: "mxfp4" from a checkpoint's
     # quantization_config, "int8"/"int4" from engine.expert_dtype); None: in torch_dtype.
     expert_storage: Optional[str] = None
+    # Llama-4. router_scales_input: each chosen expert runs on the token's hidden state times
+    # its routing weight, and the outputs are summed unweighted (layers.input_scaled_routing).
+    # nope_layers: layers without RoPE; on the others q and k are L2-normalised after RoPE
+    # when qk_l2_norm (no weight, eps rms_norm_eps). attn_temperature_floor: on NoPE layers q
+    # is scaled by 1 + attn_temperature_scale * log1p(floor((p + 1) / floor)) at position p
+    # (None: off). attention_chunk_size: RoPE layers attend only within chunks of that many
+    # positions; the engine computes no chunk mask, so max_position_embeddings is capped at
+    # the chunk, where chunked and causal attention are the same (None: no chunked layer).
+    router_scales_input: bool = False
+    nope_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    attn_temperature_floor: Optional[float] = None
+    attn_temperature_scale: float = 0.1
+    attention_chunk_size: Optional[int] = None
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -579,6 +595,7 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         arch = architecture(arch_name)
     except UnsupportedArchitectureError as e:
         raise UnsupportedModelError(str(e)) from None
+    cfg = arch.text_model_config(dict(cfg))
     refuse_unhonoured_fields(cfg, arch.model_type)
     cfg = arch.canonical_config(dict(cfg))
     _, params = rope_parameters(cfg)
@@ -605,6 +622,9 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         last_sparse = num_layers - 1 if int(last_sparse) == -1 else int(last_sparse)
     sparse = [is_sparse_layer(i, step, mlp_only, first_dense, last_sparse)
               for i in range(num_layers)]
+    if own.get("moe_layers") is not None:  # Llama-4's explicit list wins over the step
+        sparse = [i in own["moe_layers"] for i in range(num_layers)]
+    llama4 = _llama4_fields(own, num_layers, common) if arch.llama4_attention else {}
     mla = _mla_spec(own) if arch.mla else None
     # DeepSeek-V2's "greedy" top-k ignores n_group/topk_group; its group_limited_greedy and
     # DeepSeek-V3 / GLM-4.5 always limit to the best groups (n_group 1: no limit).
@@ -650,7 +670,28 @@ def spec_from_config(cfg: Mapping[str, Any], *, dtype: Optional[str] = None,
         mla=mla,
         rope_interleave=bool(own.get("rope_interleave", False)),
         expert_storage=checkpoint_expert_storage(cfg, arch.model_type),
+        router_scales_input=arch.router_scales_input,
+        **llama4,
     )
+
+
+def _llama4_fields(own: Mapping[str, Any], num_layers: int,
+                   common: dict[str, Any]) -> dict[str, Any]:
+    """Llama-4's attention fields; caps common's max_position_embeddings at the chunk size
+    where a layer is chunked (config_audit refuses a chunked layer without a chunk size)."""
+    rope = llama4_rope_layers(own, num_layers)
+    nope = tuple(i for i in range(num_layers) if not rope[i])
+    chunk = (int(own["attention_chunk_size"])
+             if "chunked_attention" in llama4_layer_types(own, num_layers) else None)
+    if chunk is not None:
+        common["max_position_embeddings"] = min(common["max_position_embeddings"], chunk)
+    if own.get("intermediate_size_mlp"):
+        common["dense_intermediate_size"] = int(own["intermediate_size_mlp"])
+    tuned = bool(own.get("attn_temperature_tuning")) and bool(nope)
+    return dict(nope_layers=nope, qk_l2_norm=bool(own.get("use_qk_norm")),
+                attn_temperature_floor=float(own["floor_scale"]) if tuned else None,
+                attn_temperature_scale=float(own.get("attn_scale", 0.1)),
+                attention_chunk_size=chunk)
 
 
 def _mla_spec(own: Mapping[str, Any]) -> MlaSpec:

@@ -30,7 +30,7 @@ import torch
 
 from moe_engine.io import atomic_path, default_cache_dir, exclusive_lock, write_text_atomic
 from moe_engine.model.arch import NameTable
-from moe_engine.model.loader import (INTERLEAVED_SLOTS, MXFP4_SLOTS, dequantized, expert_clamp,
+from moe_engine.model.loader import (CONVERTED_LAYOUTS, dequantized, expert_clamp,
                                      fused_expert_parts, safetensors_files, swiglu_weights)
 from moe_engine.model.spec import ModelSpec
 from moe_engine.model.weights import ExpertWeights, SwigluClamp
@@ -207,8 +207,8 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, TensorRef]:
 def expert_tensors(model_dir: str | Path, spec: ModelSpec
                    ) -> dict[tuple[int, int], dict[str, TensorRef]]:
     """(layer, expert) -> {"w1", "w3", "w2"} or {"w13", "w2"} (the fused transformers-5
-    layout, whose gate_up[e] already is [gate; up]) byte ranges in the checkpoint, or
-    GPT-OSS's INTERLEAVED_SLOTS or MXFP4_SLOTS (which read_expert converts)."""
+    layout, whose gate_up[e] already is [gate; up]) byte ranges in the checkpoint, or the slots
+    of one of loader.CONVERTED_LAYOUTS (GPT-OSS's, Llama-4's; read_expert converts them)."""
     table = NameTable(spec.architecture)
     out: dict[tuple[int, int], dict[str, TensorRef]] = {}
     for path in safetensors_files(Path(model_dir)):
@@ -229,7 +229,7 @@ def expert_tensors(model_dir: str | Path, spec: ModelSpec
         for e in range(spec.num_experts if spec.is_moe_layer(i) else 0):
             got = out.get((i, e), {})
             if not ({"w13", "w2"} <= got.keys() or {"w1", "w3", "w2"} <= got.keys()
-                    or INTERLEAVED_SLOTS <= got.keys() or MXFP4_SLOTS <= got.keys()):
+                    or any(slots <= got.keys() for slots in CONVERTED_LAYOUTS)):
                 raise ValueError(f"{model_dir}: layer {i} expert {e} incomplete "
                                  f"(found {sorted(got)})")
     return out
@@ -240,8 +240,9 @@ def read_expert(refs: dict[str, TensorRef], dtype: torch.dtype,
                 keep_quantized: bool = False) -> ExpertWeights:
     """An expert's row-major w13 = [gate; up] and w2 from the checkpoint, cast to `dtype`
     (GPT-OSS's: de-interleaved and transposed as the loader does, with biases and `clamp`;
-    MXFP4 codes and scales kept with keep_quantized, else dequantized to `dtype`)."""
-    for slots in (INTERLEAVED_SLOTS, MXFP4_SLOTS):
+    MXFP4 codes and scales kept with keep_quantized, else dequantized to `dtype`; Llama-4's
+    transposed)."""
+    for slots in CONVERTED_LAYOUTS:
         if slots <= refs.keys():
             parts: dict[str, torch.Tensor] = {}
             for slot in sorted(slots):
@@ -261,12 +262,12 @@ def read_expert(refs: dict[str, TensorRef], dtype: torch.dtype,
 def checkpoint_source(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype
                       ) -> Optional[ExpertSource]:
     """The experts read in place from the checkpoint, or None when its tensors are not in
-    `dtype` or not row-major [gate; up] (GPT-OSS's interleaved ones): the engine would have
-    to convert them, use an ExpertFile."""
+    `dtype` or not row-major [gate; up] (GPT-OSS's interleaved ones, Llama-4's transposed
+    ones): the engine would have to convert them, use an ExpertFile."""
     refs = expert_tensors(model_dir, spec)
     if any(r.dtype != dtype for parts in refs.values() for r in parts.values()):
         return None  # (MXFP4's uint8 codes among them)
-    if any(INTERLEAVED_SLOTS & parts.keys() for parts in refs.values()):
+    if any(slots & parts.keys() for slots in CONVERTED_LAYOUTS for parts in refs.values()):
         return None
     proto = next(iter(refs.values()))
     w2 = proto["w2"]

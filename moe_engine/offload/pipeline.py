@@ -280,7 +280,7 @@ class OffloadPipeline:
             # Placement is decided on the host from the router's choices: wait for them.
             self.backend.host_sync()
             chosen = [routed[j] for j in which]
-            out = self._experts(layer, torch.cat([r.h for r in chosen]), chosen)
+            out = self._experts(layer, torch.cat([r.expert_input for r in chosen]), chosen)
         t1 = time.perf_counter()
         self.runner.times.ffn_s += t1 - t0  # the runner's ffn times its own part
         with self._device(f"dense ffn L{layer}"):
@@ -294,8 +294,8 @@ class OffloadPipeline:
         self.runner.ffn(layer, acts, [routed[j] for j in which], experts_out=experts_out)
 
     def _experts(self, layer: int, h: torch.Tensor, routed: list[Routed]) -> torch.Tensor:
-        """Sum of the routed experts' outputs, resident and streamed ones on the device, the
-        ones Twiddler places on the CPU there."""
+        """Sum of the routed experts' outputs per row of `h` (the Routed.expert_input rows),
+        resident and streamed ones on the device, the ones Twiddler places on the CPU there."""
         weights = torch.cat([r.weights for r in routed])
         experts = torch.cat([r.experts for r in routed])
         counts = torch.bincount(experts.reshape(-1), minlength=self.spec.num_experts).tolist()

@@ -31,6 +31,27 @@ def _gpt_oss(**sizes: Any) -> dict[str, Any]:
     }
 
 
+def _llama4(**text: Any) -> dict[str, Any]:
+    """Llama-4 Scout/Maverick as released: Llama4ForConditionalGeneration, the text model's keys
+    under text_config (the vision encoder, ~0.8B, is not part of the spec). The two share
+    their per-layer shapes: 5120 wide, 48 layers, GQA 40/8 heads of 128, experts of 8192 and
+    one shared expert as wide, dense MLPs of 16384, chunks of 8192, NoPE every fourth layer."""
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+            "num_key_value_heads": 8, "head_dim": 128, "num_experts_per_tok": 1,
+            "vocab_size": 202048, "rope_theta": 500000.0, "attention_chunk_size": 8192,
+            "no_rope_layer_interval": 4, "attn_temperature_tuning": True, "floor_scale": 8192,
+            "attn_scale": 0.1, "attention_bias": False, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", **text},
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 1408,
+                          "num_hidden_layers": 34},
+    }
+
+
 REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": {
         "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -111,6 +132,16 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "use_bias": False, "max_position_embeddings": 131072, "rope_theta": 500000, "vocab_size": 103424,
         "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     },
+    # Llama-4-Scout-17B-16E: 16 experts on every layer, L2 q/k norm, llama3 RoPE scaling.
+    "llama-4-scout-17b-16e": _llama4(
+        num_local_experts=16, interleave_moe_layer_step=1, use_qk_norm=True,
+        max_position_embeddings=10485760,
+        rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+    # Llama-4-Maverick-17B-128E: 128 experts on every second layer, no q/k norm, plain RoPE.
+    "llama-4-maverick-17b-128e": _llama4(
+        num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False,
+        max_position_embeddings=1048576),
     "gpt-oss-20b": _gpt_oss(num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": _gpt_oss(num_hidden_layers=36, num_local_experts=128),
 }

@@ -89,6 +89,14 @@ def _fused_expert_shapes(p: MoePreset, block: str) -> list[tuple[str, tuple[int,
             (f"{block}.experts.down_proj_bias", (e, h), "bias")]
 
 
+def _transposed_expert_shapes(p: MoePreset, block: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """Llama-4: the experts as transformers holds them, gate_up [E, H, 2I] (gate then up in
+    the columns) and down [E, I, H], no biases."""
+    e, h, i = p.num_experts, p.hidden_size, p.intermediate_size
+    return [(f"{block}.experts.gate_up_proj", (e, h, 2 * i), "fused_linear"),
+            (f"{block}.experts.down_proj", (e, i, h), "fused_residual")]
+
+
 def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, init kind) in a fixed order: the order random numbers are drawn in."""
     h, fam = p.hidden_size, p.family
@@ -100,19 +108,22 @@ def _tensor_shapes(p: MoePreset) -> list[tuple[str, tuple[int, ...], str]]:
         shapes += _attention_shapes(p, pre)
         shapes.append((f"{pre}.post_attention_layernorm.weight", (h,), "norm"))
         if not p.is_moe_layer(i):
-            shapes += _swiglu_shapes(f"{pre}.mlp", LLAMA_MLP, h, p.dense_intermediate_size)
+            shapes += _swiglu_shapes(f"{pre}.{fam.dense_block}", LLAMA_MLP, h,
+                                     p.dense_intermediate_size)
             continue
         block = f"{pre}.{fam.moe_block}"
         shapes.append((f"{block}.{fam.router_name}.weight", (p.num_experts, h), "router"))
-        if fam.fused_experts:
+        if fam.fused_experts == "interleaved":
             shapes += _fused_expert_shapes(p, block)
             continue
+        if fam.fused_experts == "transposed":
+            shapes += _transposed_expert_shapes(p, block)
         if fam.score_correction:
             shapes.append((f"{block}.moe_statics.e_score_correction_bias", (1, p.num_experts),
                            "score_bias") if fam.moe_statics else
                           (f"{block}.gate.e_score_correction_bias", (p.num_experts,),
                            "score_bias"))
-        for e in range(p.num_experts):
+        for e in range(p.num_experts if not fam.fused_experts else 0):
             shapes += _swiglu_shapes(f"{block}.experts.{e}", fam.expert_names, h,
                                      p.intermediate_size)
         if p.shared_expert_intermediate_size:

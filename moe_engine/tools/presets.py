@@ -71,6 +71,13 @@ class MoePreset:
     last_moe_layer: int = -1
     moe_norm_min: float = 1e-12
     tie_word_embeddings: bool = False
+    # Llama-4: no_rope_layers (1: RoPE; None: the config leaves it to no_rope_layer_interval),
+    # the chunk of the chunked (RoPE) layers, the NoPE layers' temperature (floor_scale,
+    # attn_scale); decoder_sparse_step is written as interleave_moe_layer_step.
+    no_rope_layers: Optional[tuple[int, ...]] = None
+    no_rope_layer_interval: int = 4
+    attention_chunk_size: Optional[int] = 8192
+    attn_temperature: tuple[int, float] = (8192, 0.1)
 
     @property
     def head_dim(self) -> int:
@@ -95,6 +102,9 @@ class Family:
     "projection": over the whole projection) and the architecture's own config keys; the
     shared expert's module name and whether it has a sigmoid gate, whether the router has
     an e_score_correction_bias, and whether attention is DeepSeek's latent attention.
+    fused_experts: the experts are stored as transformers holds them, "interleaved" (GPT-OSS:
+    gate and up in alternate columns, biases, a router bias) or "transposed" (Llama-4: x @ W,
+    gate then up); dense_block: a dense layer's MLP module (Llama-4: feed_forward).
     moe_statics: the bias is [1, E] under <block>.moe_statics (ERNIE-4.5), not [E] under the
     router; fp32_router: the router weight is stored in fp32 in every dtype (ERNIE-4.5, as
     transformers' save_pretrained writes it); dropped_keys: generic config keys the hub's configs
@@ -112,13 +122,14 @@ class Family:
     score_correction: bool = False
     # GPT-OSS: router named `router` with a bias, experts stored fused with biases
     # (transformers' in-memory layout), a sink logit per attention head.
-    fused_experts: bool = False
+    fused_experts: Optional[str] = None
     router_name: str = "gate"
     sinks: bool = False
     mla: bool = False
     moe_statics: bool = False
     fp32_router: bool = False
     dropped_keys: tuple[str, ...] = ()
+    dense_block: str = "mlp"
 
 
 def _mixtral_keys(p: MoePreset) -> dict[str, Any]:
@@ -210,6 +221,24 @@ def _ernie4_5_moe_keys(p: MoePreset) -> dict[str, Any]:
             "router_aux_loss_coef": 0.001, "pad_token_id": 0}
 
 
+def _llama4_keys(p: MoePreset) -> dict[str, Any]:
+    # Keys as Llama4TextConfig saves them; moe_layers and layer_types left to transformers
+    # to derive (from interleave_moe_layer_step and no_rope_layers), as the hub's configs do.
+    keys = {"intermediate_size": p.intermediate_size,
+            "intermediate_size_mlp": p.dense_intermediate_size,
+            "num_local_experts": p.num_experts,
+            "interleave_moe_layer_step": p.decoder_sparse_step, "use_qk_norm": p.qk_norm,
+            "no_rope_layer_interval": p.no_rope_layer_interval,
+            "attention_chunk_size": p.attention_chunk_size, "attn_temperature_tuning": True,
+            "floor_scale": p.attn_temperature[0], "attn_scale": p.attn_temperature[1],
+            "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}
+    if p.no_rope_layers is not None:
+        keys["no_rope_layers"] = list(p.no_rope_layers)
+    if p.rope_scaling:
+        keys["rope_scaling"] = dict(p.rope_scaling)
+    return keys
+
+
 LLAMA_MLP = ("gate_proj", "down_proj", "up_proj")
 FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(
@@ -232,7 +261,7 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family(
         model_type="gpt_oss", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="qkvo", qk_norm=None, config_keys=_gpt_oss_keys,
-        fused_experts=True, router_name="router", sinks=True),
+        fused_experts="interleaved", router_name="router", sinks=True),
     "DeepseekV3ForCausalLM": Family(
         model_type="deepseek_v3", moe_block="mlp", expert_names=LLAMA_MLP,
         bias_key="attention_bias", biased="", qk_norm=None, config_keys=_deepseek_v3_keys,
@@ -246,6 +275,11 @@ FAMILIES: dict[str, Family] = {
         bias_key="use_bias", biased="qkvo", qk_norm=None, config_keys=_ernie4_5_moe_keys,
         shared_block="shared_experts", shared_gate=False, score_correction=True,
         moe_statics=True, fp32_router=True, dropped_keys=("num_experts_per_tok",)),
+    "Llama4ForCausalLM": Family(
+        model_type="llama4_text", moe_block="feed_forward", expert_names=LLAMA_MLP,
+        bias_key="attention_bias", biased="qkvo", qk_norm=None, config_keys=_llama4_keys,
+        shared_gate=False, fused_experts="transposed", router_name="router",
+        dense_block="feed_forward"),
 }
 
 # DeepSeek-V3's features: multi-head latent attention with a low-rank q (q_lora_rank) and a
@@ -347,6 +381,22 @@ PRESETS: dict[str, MoePreset] = {
         vocab_size=8192, tokenizer_vocab_size=8192, rope_theta=500000.0, norm_topk_prob=True,
         shared_expert_intermediate_size=64, dense_intermediate_size=176,
         first_k_dense_replace=1, last_moe_layer=2),
+    # Llama-4's features (Maverick's interleaving): MoE on every second layer (1 and 3) with
+    # 16 experts of which the sigmoid of the top-1 logit scales the chosen expert's input, an
+    # ungated shared expert, dense layers 4x an expert's width; RoPE on complex pairs with
+    # llama3 scaling (original length 64, so one frequency is in the smoothed band), L2 q/k
+    # norm after it, layer 3 without RoPE (no_rope_layer_interval 4) whose queries get the
+    # attention temperature from position 3 on (floor_scale 4, attn_scale 0.5). The chunk of
+    # the RoPE layers (2048) is longer than every test context: the engine caps the context
+    # there. ~5 MB.
+    "tiny-llama4": MoePreset(
+        "Llama4ForCausalLM", hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=16, num_experts_per_tok=1,
+        vocab_size=8192, tokenizer_vocab_size=8192, rope_theta=500000.0,
+        shared_expert_intermediate_size=32, dense_intermediate_size=128, decoder_sparse_step=2,
+        rope_scaling=(("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
+                      ("high_freq_factor", 4.0), ("original_max_position_embeddings", 64)),
+        attention_chunk_size=2048, attn_temperature=(4, 0.5)),
 }
 
 
