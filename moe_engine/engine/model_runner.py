@@ -193,7 +193,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         h = routed[0].h if len(routed) == 1 else torch.cat([r.h for r in routed])
         if experts_out is None and self.spec.is_moe_layer(layer):
-            rows = torch.cat([r.expert_input for r in routed])
+            rows = (routed[0].expert_input if len(routed) == 1
+                    else torch.cat([r.expert_input for r in routed]))
             weights = torch.cat([r.weights for r in routed])
             experts = torch.cat([r.experts for r in routed])
             experts_out = moe_ffn(self.weights.layers[layer].experts, rows, weights, experts)
