@@ -154,11 +154,18 @@ def attention_temperature(q: torch.Tensor, positions: torch.Tensor,
 def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
                    rope: Optional[RotaryTable], positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused q|k|v GEMM (+ bias), q/k norm and clipping where the spec has them, RoPE;
-    returns q [T, nq, d], k and v [T, nkv, d]. rope None: a layer without RoPE (Llama-4's
+    """Fused q|k|v GEMM (+ bias), then `qkv_heads`; returns q [T, nq, d], k and v [T, nkv, d]."""
+    return qkv_heads(linear(h, dense.wqkv, dense.bqkv), dense, spec, rope, positions)
+
+
+def qkv_heads(qkv: torch.Tensor, dense: DenseLayerWeights, spec: ModelSpec,
+              rope: Optional[RotaryTable], positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output [T, q_size + 2 kv_size] split into heads, with q/k norm
+    and clipping where the spec has them, and RoPE. rope None: a layer without RoPE (Llama-4's
     NoPE layers, whose q gets the attention temperature where the spec tunes it); Llama-4's
-    L2 q/k norm follows RoPE on the other layers."""
-    qkv = linear(h, dense.wqkv, dense.bqkv)
+    L2 q/k norm follows RoPE on the other layers. Apart from the GEMM so the hardware profiler
+    can time this element-wise work on its own."""
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     eps = spec.rms_norm_eps
     if spec.qk_norm == "projection":
@@ -166,7 +173,7 @@ def qkv_projection(dense: DenseLayerWeights, h: torch.Tensor, spec: ModelSpec,
     if spec.clip_qkv is not None:
         c = spec.clip_qkv
         q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-    t = h.shape[0]
+    t = qkv.shape[0]
     q = q.reshape(t, spec.num_heads, spec.head_dim)
     k = k.reshape(t, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm == "head":
@@ -207,12 +214,21 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     """
     # fp32 logits from an fp32 weight (loaded so) where transformers computes them so.
     x = h.float() if spec.router_logits_fp32 else h
-    logits = linear(x, router, router_bias).float()
+    return select_experts(linear(x, router, router_bias).float(), h.dtype, spec,
+                          score_correction_bias)
+
+
+def select_experts(logits: torch.Tensor, dtype: torch.dtype, spec: ModelSpec,
+                   score_correction_bias: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` after the router GEMM: fp32 logits [T, E] to (weights [T, k], experts [T, k]),
+    weights in `dtype` (the activations') unless the spec keeps them fp32. Apart from the GEMM
+    so the hardware profiler can time this element-wise work on its own."""
     if spec.router_scoring in ("topk_softmax", "topk_sigmoid"):
         chosen, experts = torch.topk(logits, spec.top_k, dim=-1)
         weights = (torch.softmax(chosen, dim=-1) if spec.router_scoring == "topk_softmax"
                    else torch.sigmoid(chosen))
-        return (weights if spec.router_weights_fp32 else weights.to(h.dtype)), experts
+        return (weights if spec.router_weights_fp32 else weights.to(dtype)), experts
     if spec.router_scoring == "sigmoid":
         scores = torch.sigmoid(logits)
     else:
@@ -236,7 +252,7 @@ def route(router: torch.Tensor | PackedLinear, h: torch.Tensor, spec: ModelSpec,
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     if not spec.router_weights_fp32:
-        weights = weights.to(h.dtype)
+        weights = weights.to(dtype)
     return weights, experts
 
 
