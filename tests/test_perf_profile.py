@@ -118,3 +118,49 @@ def test_the_disk_rate_is_learnt_from_generate_jobs(tiny_profile, tmp_path):
     for _ in range(DISK_RUNS_KEPT + 3):
         learn_disk_rate(path, {"disk_bytes_read": 5e9, "disk_busy_time_s": 1.0})
     assert load_profile(path)["disk_read_gbps_runs"] == [5.0] * DISK_RUNS_KEPT
+
+
+def test_profile_times_the_layer_layouts_element_wise_work_and_prefill_attention(tiny, tiny_profile):
+    """The non-GEMM work of a layer and prefill attention per prompt are timed on the model's
+    layout at every token count and prompt length of the mode, and read into the spec."""
+    from moe_engine.perf.specs import layer_layout
+    from moe_engine.tools.profile_hardware import FAST_TOKENS
+    from moe_engine.tools.profile_layer_ops import FAST_PROMPT_LENGTHS
+
+    _, data = tiny_profile
+    layout = layer_layout(tiny)
+    ops = [r for r in data["layer_ops"] if r["layout"] == layout]
+    assert sorted(r["tokens"] for r in ops) == sorted(FAST_TOKENS)
+    assert all(r["pre_attention_us"] > 0 and r["post_attention_us"] > 0 for r in ops)
+    prefill = [r for r in data["prefill_attention"] if r["layout"] == layout]
+    assert sorted(r["prompt"] for r in prefill) == sorted(FAST_PROMPT_LENGTHS)
+    assert all(r["us_per_prompt"] > 0 for r in prefill)
+    spec = spec_from_figures(data)
+    assert len(spec.layer_ops_points) == len(data["layer_ops"])
+    assert len(spec.prefill_attention_points) == len(data["prefill_attention"])
+
+
+def test_profile_from_before_layer_ops_gains_them_and_keeps_its_gemms(tiny, tiny_profile, tmp_path):
+    """An old profile (GEMMs, no layer-layout points) is extended with the model's layout alone:
+    its GEMM rates are not measured again, and a second model of the same layout adds nothing."""
+    from moe_engine.perf.hardware import profile_covers
+
+    _, data = tiny_profile
+    old = {k: v for k, v in data.items() if k not in ("layer_ops", "prefill_attention")}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert not profile_covers(old, [tiny])
+    again = ensure_profile(path, model=tiny, fast=True)
+    assert again["gemm"] == data["gemm"]
+    assert profile_covers(again, [tiny])
+    assert len(again["layer_ops"]) == len(data["layer_ops"])
+    renamed = ModelSpec.from_hf_config(hf_config_of("tiny-mixtral"), name="another-checkpoint")
+    before = path.stat().st_mtime_ns
+    ensure_profile(path, model=renamed, fast=True)
+    assert path.stat().st_mtime_ns == before
+
+
+def hf_config_of(preset: str) -> dict:
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    return hf_config(PRESETS[preset])

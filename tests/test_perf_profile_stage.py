@@ -10,6 +10,7 @@ import yaml
 
 from moe_engine.perf import ModelSpec
 from moe_engine.perf.hardware import HOST_KEYS, cached_profile_path, gemm_shapes
+from moe_engine.perf.specs import layer_layout
 from moe_engine.stages import policy as stage
 
 
@@ -33,12 +34,35 @@ def test_missing_profile_runs_the_profiler_for_the_checkpoint(tmp_path, monkeypa
                       "--model", str(model_dir), "--dtype", "bfloat16"]]
 
 
+def _gemm_profile(model) -> dict:
+    """A profile with every GEMM shape and engine-loop figure of `model`, no layer layout."""
+    rows = [{"inp": i, "out": o, "tokens": 1, "dtype_bytes": 2, "gflops": 1.0} for i, o in gemm_shapes(model)]
+    return {"device_tflops": 1.0, "gemm": rows, **{k: 1.0 for k in HOST_KEYS}}
+
+
 def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):
     model_dir, model = _model(tmp_path)
     path = cached_profile_path(tmp_path / "hw")
     path.parent.mkdir()
-    rows = [{"inp": i, "out": o, "tokens": 1, "dtype_bytes": 2, "gflops": 1.0} for i, o in gemm_shapes(model)]
-    path.write_text(yaml.safe_dump({"device_tflops": 1.0, "gemm": rows, **{k: 1.0 for k in HOST_KEYS}}))
+    layout = layer_layout(model)
+    path.write_text(yaml.safe_dump({
+        **_gemm_profile(model),
+        "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0, "post_attention_us": 1.0}],
+        "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}]}))
     monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
     monkeypatch.setattr(stage, "subprocess", None)  # any measuring would fail
     stage.ensure_machine_profile(model, model_dir, "auto")
+
+
+def test_profile_without_the_layer_layout_runs_the_profiler(tmp_path, monkeypatch):
+    """A profile from before the element-wise and prefill-attention points covers the GEMMs
+    but not the model: the profiler is run to add them."""
+    model_dir, model = _model(tmp_path)
+    path = cached_profile_path(tmp_path / "hw")
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(_gemm_profile(model)))
+    calls = []
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
+    stage.ensure_machine_profile(model, model_dir, "auto")
+    assert len(calls) == 1 and "--ensure" in calls[0]

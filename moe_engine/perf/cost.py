@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .roofline import (ATTN_OPS, HEAD_OPS, PREFILL_OPS_PER_SEQ, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
+from .roofline import (HEAD_OPS, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
                        device_processor, expected_active_experts, expert_ffn_time,
-                       o_proj_router_time, pre_attention_time, prefill_attention_flops)
+                       o_proj_router_time, pre_attention_time, prefill_attention_time)
 from .specs import HardwareSpec, ModelSpec, WorkloadSpec, blocks_for
 
 # Slack factors (docs/perf_model.md explains them).
@@ -319,9 +319,7 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
             continue
         per_pass = pre_attention_time(m, dev, chunk) + o_proj_router_time(m, dev, chunk)
         per_pass += expert_ffn_time(m, dev, chunk) if moe else dense_mlp_time(m, dev, chunk)
-        attn_flops = prefill_attention_flops(m, wl.sum_prompt_sq) * (chunk / max(1.0, wl.mean_prompt))
-        per_pass += attn_flops / dev.flops
-        per_pass += (ATTN_OPS + PREFILL_OPS_PER_SEQ * chunk / max(1.0, wl.mean_prompt)) * dev.op_overhead_s
+        per_pass += prefill_attention_time(m, dev, wl, chunk / max(1.0, wl.mean_prompt))
         layer_compute = passes * per_pass
         if moe:  # each pass reads the layer's disk experts again, in the shadow of compute
             layer_compute = max(layer_compute, passes * disk_layer_time(m, hw, policy, chunk))

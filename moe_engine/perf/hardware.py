@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from .specs import GB, TFLOPS, GemmPoint, HardwareSpec, ModelSpec
+from .specs import (GB, TFLOPS, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
+                    layer_layout)
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 # The compiled decode-attention kernel that model/paged_attention imports when it is built.
@@ -37,7 +38,8 @@ DEFAULT_DISK_READ_GBPS = 2.0
 
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
-    keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us, host_*_us) are read when present."""
+    keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us, host_*_us, layer_ops,
+    prefill_attention) are read when present."""
     device = fig.get("device", "cpu")
     device = getattr(device, "value", device)
     return HardwareSpec(
@@ -53,6 +55,12 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         host_seq_s=float(fig.get("host_seq_us", 0.0)) * 1e-6,
         host_token_s=float(fig.get("host_token_us", 0.0)) * 1e-6,
         disk_bw=disk_read_gbps(fig) * GB,
+        layer_ops_points=tuple(
+            LayerOpsPoint(str(r["layout"]), int(r["tokens"]), float(r["pre_attention_us"]) * 1e-6,
+                          float(r["post_attention_us"]) * 1e-6) for r in fig.get("layer_ops") or ()),
+        prefill_attention_points=tuple(
+            PrefillAttentionPoint(str(r["layout"]), int(r["prompt"]), float(r["us_per_prompt"]) * 1e-6)
+            for r in fig.get("prefill_attention") or ()),
         notes=str(fig.get("attention_kernel", "")),
     )
 
@@ -180,12 +188,38 @@ def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
-def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
-    """Whether a profile has every figure the models need: the engine-loop figures, the disk
-    tier's read bandwidth and the GEMM rates of each model's weight shapes in its dtype."""
+def layer_ops_profiled(m: ModelSpec) -> bool:
+    """Whether the profiler times the model's element-wise layer work and prefill attention
+    (`layer_layout` points): not for MLA, whose latent projections are per-head GEMMs the
+    model counts by themselves; its layers keep the launch counts."""
+    return m.mla is None
+
+
+def layouts_profiled(data: Mapping[str, Any]) -> set[str]:
+    """Layer layouts a profile has both the element-wise and the prefill-attention points of."""
+    ops = {r["layout"] for r in data.get("layer_ops") or ()}
+    return ops & {r["layout"] for r in data.get("prefill_attention") or ()}
+
+
+def layouts_missing(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> list[ModelSpec]:
+    """The models whose layer layout a profile lacks (profiled ones only, once per layout)."""
+    have = layouts_profiled(data)
+    missing = {layer_layout(m): m for m in models if layer_ops_profiled(m) and layer_layout(m) not in have}
+    return list(missing.values())
+
+
+def gemms_covered(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
+    """Whether a profile has the engine-loop figures, the disk tier's read bandwidth and the
+    GEMM rates of each model's weight shapes in its dtype."""
     have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
     return (all(k in data for k in HOST_KEYS)
             and all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m)))
+
+
+def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
+    """Whether a profile has every figure the models need: `gemms_covered`, and the element-wise
+    and prefill-attention times of each model's layer layout."""
+    return gemms_covered(data, models) and not layouts_missing(data, models)
 
 
 class ProfileMissing(FileNotFoundError):

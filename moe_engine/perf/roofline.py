@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .specs import GemmPoint, HardwareSpec, ModelSpec
+from .specs import GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint, WorkloadSpec, layer_layout
 
 
 @dataclass(frozen=True)
@@ -109,24 +109,100 @@ def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> floa
 
 @dataclass(frozen=True)
 class Processor:
-    """One compute unit as the roofline sees it."""
+    """One compute unit as the roofline sees it, with what was profiled on it: GEMM rates per
+    shape, a layer's element-wise work and prefill attention per layer layout."""
 
     flops: float
     bw: float
     gemm_points: tuple[GemmPoint, ...] = ()
     op_overhead_s: float = 0.0
+    layer_ops_points: tuple[LayerOpsPoint, ...] = ()
+    prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
 
     def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
         return gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw, self.gemm_points)
 
+    def layer_ops(self, m: ModelSpec, tokens: float) -> tuple[float, float] | None:
+        """Profiled (before, after attention) element-wise seconds of one of `m`'s layers at
+        `tokens` tokens, None when its layout was not profiled here."""
+        if not self.layer_ops_points or tokens <= 0:
+            return None
+        curves = _layer_ops_curves(self.layer_ops_points, layer_layout(m))
+        if curves is None:
+            return None
+        return _interp_time(curves[0], tokens), _interp_time(curves[1], tokens)
+
+    def prefill_attention_fit(self, m: ModelSpec) -> tuple[float, float, float] | None:
+        """(a, b, c) of the profiled seconds per prompt a + b p + c p^2 of `m`'s layout."""
+        if not self.prefill_attention_points:
+            return None
+        return _prefill_attention_fit(self.prefill_attention_points, layer_layout(m))
+
 
 def device_processor(hw: HardwareSpec) -> Processor:
-    return Processor(hw.device_flops, hw.device_bw, hw.gemm_points, hw.op_overhead_s)
+    # The element-wise and prefill-attention points are the CPU's: they describe the device
+    # only when the CPU is the device.
+    cpu_only = hw.is_cpu_only
+    return Processor(hw.device_flops, hw.device_bw, hw.gemm_points, hw.op_overhead_s,
+                     hw.layer_ops_points if cpu_only else (),
+                     hw.prefill_attention_points if cpu_only else ())
 
 
 def cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
-    return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s)
+    return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,
+                     hw.prefill_attention_points)
+
+
+@lru_cache(maxsize=256)
+def _layer_ops_curves(points: tuple[LayerOpsPoint, ...], layout: str
+                      ) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]] | None:
+    """(tokens, seconds) curves before and after attention for one layout, None if absent."""
+    rows = sorted((p.tokens, p.pre_attention_s, p.post_attention_s) for p in points if p.layout == layout)
+    if not rows:
+        return None
+    return tuple((n, pre) for n, pre, _ in rows), tuple((n, post) for n, _, post in rows)
+
+
+@lru_cache(maxsize=256)
+def _prefill_attention_fit(points: tuple[PrefillAttentionPoint, ...], layout: str
+                           ) -> tuple[float, float, float] | None:
+    """Least-squares fit of seconds per prompt = a + b p + c p^2 (launches, the K/V write and
+    slicing per token, the causal score matrix) to the layout's points, each weighted by the
+    inverse of its time so short and long prompts count alike (relative error). A
+    quadratic because its mean over a workload needs only the mean prompt and the mean
+    squared prompt the WorkloadSpec keeps."""
+    rows = [(float(p.prompt), p.seconds) for p in points if p.layout == layout and p.seconds > 0]
+    if not rows:
+        return None
+    if len(rows) < 3:  # too few to fit a curve: per-token cost through the mean point
+        p = sum(r[0] for r in rows) / len(rows)
+        return 0.0, sum(r[1] for r in rows) / len(rows) / p, 0.0
+    # Normal equations of sum_i w_i (a + b p_i + c p_i^2 - t_i)^2 with w_i = 1 / t_i^2.
+    ata = [[0.0] * 3 for _ in range(3)]
+    atb = [0.0] * 3
+    for p, t in rows:
+        basis, w = (1.0, p, p * p), 1.0 / (t * t)
+        for i in range(3):
+            atb[i] += w * basis[i] * t
+            for j in range(3):
+                ata[i][j] += w * basis[i] * basis[j]
+    return tuple(_solve3(ata, atb))
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a 3x3 system (Gaussian elimination with partial pivoting)."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for col in range(3):
+        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    x = [0.0] * 3
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x
 
 
 # Non-GEMM operator launches per layer and micro-batch, counted in the engine's layer code
@@ -145,15 +221,17 @@ PREFILL_OPS_PER_SEQ = 6  # slice q/k/v, transposes, causal SDPA, store: one loop
 
 
 def pre_attention_time(m: ModelSpec, proc: Processor, mu: float) -> float:
-    """RMSNorm + fused QKV projection (+ RoPE) for a micro-batch of `mu` decode tokens; MLA adds
-    q_b_proj and each head's map of its query into the latent space."""
+    """RMSNorm + fused QKV projection (+ RoPE) for a micro-batch of `mu` tokens; MLA adds
+    q_b_proj and each head's map of its query into the latent space. The element-wise part is
+    the profiled time of the model's layout, else its operator launches."""
     t = proc.gemm(mu, m.hidden_size, m.qkv_out_features, m.dtype_bytes)
     if m.mla is not None:
         a = m.mla
         if a.q_lora_rank:
             t += proc.gemm(mu, a.q_lora_rank, m.q_size, m.dtype_bytes)
         t += _per_head_time(m, proc, mu, a.qk_nope_head_dim, a.kv_lora_rank)
-    return t + _PRE_ATTN_OPS * proc.op_overhead_s
+    ops = proc.layer_ops(m, mu)
+    return t + (ops[0] if ops is not None else _PRE_ATTN_OPS * proc.op_overhead_s)
 
 
 def _per_head_time(m: ModelSpec, proc: Processor, mu: float, inp: int, out: int) -> float:
@@ -169,7 +247,8 @@ def o_proj_router_time(m: ModelSpec, proc: Processor, mu: float) -> float:
     if m.mla is not None:
         t += _per_head_time(m, proc, mu, m.mla.kv_lora_rank, m.mla.v_head_dim)
     t += proc.gemm(mu, m.hidden_size, m.num_experts, m.dtype_bytes)
-    return t + _POST_ATTN_OPS * proc.op_overhead_s
+    ops = proc.layer_ops(m, mu)
+    return t + (ops[1] if ops is not None else _POST_ATTN_OPS * proc.op_overhead_s)
 
 
 def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
@@ -225,3 +304,17 @@ def device_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float,
 def prefill_attention_flops(m: ModelSpec, prompt_len_sq_mean: float) -> float:
     """Causal self-attention over a prompt of length p: ~p^2/2 (query, key) pairs per head."""
     return 2.0 * (prompt_len_sq_mean / 2.0) * m.num_heads * sum(m.attention_widths)
+
+
+def prefill_attention_time(m: ModelSpec, proc: Processor, wl: WorkloadSpec, prompts: float) -> float:
+    """Attention of one layer in a prefill pass of `prompts` of the workload's prompts: the
+    profiled seconds per prompt a + b p + c p^2 of the model's layout averaged over the
+    workload (a + b E[p] + c E[p^2]), else the causal FLOPs at the processor's peak plus the
+    launches of the attention call and of each prompt's SDPA."""
+    fit = proc.prefill_attention_fit(m)
+    if fit is not None:
+        a, b, c = fit
+        per_prompt = a + b * wl.mean_prompt + c * wl.sum_prompt_sq
+        return prompts * max(0.0, per_prompt)
+    flops = prefill_attention_flops(m, wl.sum_prompt_sq) * prompts
+    return flops / proc.flops + (ATTN_OPS + PREFILL_OPS_PER_SEQ * prompts) * proc.op_overhead_s

@@ -15,7 +15,8 @@ from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError, dtype_by
 TFLOPS = 1e12
 
 __all__ = ["GB", "TFLOPS", "ModelSpec", "UnsupportedModelError", "dtype_bytes_of", "GemmPoint", "HardwareSpec",
-           "WorkloadSpec", "workload_spec_from_lengths", "blocks_for"]
+           "LayerOpsPoint", "PrefillAttentionPoint", "WorkloadSpec", "layer_layout",
+           "workload_spec_from_lengths", "blocks_for"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,41 @@ class GemmPoint:
     tokens: int
     dtype_bytes: int
     flops_per_s: float
+
+
+@dataclass(frozen=True)
+class LayerOpsPoint:
+    """A decoder layer's work outside its GEMMs at `tokens` tokens, timed on the engine's code
+    for one layer layout (`layer_layout`): before attention (input norm, head split, q/k norm,
+    RoPE) and after it (residual adds, post norm, the router's softmax/top-k)."""
+
+    layout: str
+    tokens: int
+    pre_attention_s: float
+    post_attention_s: float
+
+
+@dataclass(frozen=True)
+class PrefillAttentionPoint:
+    """Seconds per prompt of prefill attention (K/V written to the cache, one causal SDPA call
+    and its slicing) for prompts of `prompt` tokens, in a pass of such prompts."""
+
+    layout: str
+    prompt: int
+    seconds: float
+
+
+def layer_layout(m: ModelSpec) -> str:
+    """What decides a layer's element-wise and prefill-attention work, as the key of its
+    profiled points: widths, heads, experts, the weights' dtype and the architecture's
+    variants of norm, RoPE, attention and routing. Checkpoints of one layout share points."""
+    parts = [f"h{m.hidden_size}", f"q{m.num_heads}x{m.head_dim}", f"kv{m.num_kv_heads}x{m.v_head_dim}",
+             f"e{m.num_experts}k{m.top_k}", f"b{m.dtype_bytes}", f"rot{m.rotary_dim}",
+             f"{m.router_scoring}g{m.router_groups}"]
+    flags = {"qk": m.qk_norm, "clip": m.clip_qkv is not None, "il": m.rope_interleave,
+             "sinks": m.attention_sinks, "win": m.attention_window(0) is not None}
+    parts += [k if v is True else f"{k}{v}" for k, v in flags.items() if v]
+    return "-".join(parts)
 
 
 @dataclass(frozen=True)
@@ -59,6 +95,10 @@ class HardwareSpec:
     host_token_s: float = 0.0
     # Sequential O_DIRECT read bandwidth of the disk holding the experts (the disk tier's link).
     disk_bw: float = 2.0e9
+    # Profiled element-wise work per layer and prefill attention per prompt, per layer layout
+    # (the CPU's: the profiler times them on the engine's CPU code).
+    layer_ops_points: tuple[LayerOpsPoint, ...] = ()
+    prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
     notes: str = ""
 
     @property

@@ -14,6 +14,7 @@ median of several timed batches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -21,43 +22,20 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Iterator, Optional
 
 import yaml
 
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
-from moe_engine.perf.hardware import (HOST_KEYS, gemm_shapes, load_profile, machine_fingerprint, profile_covers,
-                                      total_memory_bytes)
-from moe_engine.perf.specs import GB, ModelSpec
+from moe_engine.perf.hardware import (HOST_KEYS, gemm_shapes, gemms_covered, layer_ops_profiled, layouts_missing,
+                                      load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
+from moe_engine.perf.specs import GB, ModelSpec, layer_layout
+from moe_engine.tools.timing import median_time
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FAST_TOKENS = (1, 8, 64, 256)
-
-
-def _median_time(fn: Callable[[], Any], min_batch_s: float, trials: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds per call: calls are batched until a batch lasts min_batch_s, `trials` batches."""
-    fn()
-    sync()
-    reps = 1
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        dt = time.perf_counter() - t0
-        if dt >= min_batch_s or reps >= 1 << 16:
-            break
-        reps = max(reps * 2, int(reps * min_batch_s / max(dt, 1e-9)))
-    times = [dt / reps]
-    for _ in range(trials - 1):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
 
 
 def _torch_dtype(dtype_bytes: int):
@@ -106,7 +84,7 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
 
         for n in tokens:
             x = torch.randn(n, inp, dtype=torch.float32 if use_packed else dt, device=device)
-            sec = _median_time(call, 0.01 if fast else 0.04, 3 if fast else 5, sync)
+            sec = median_time(call, 0.01 if fast else 0.04, 3 if fast else 5, sync)
             rows.append({"inp": inp, "out": out, "tokens": n, "dtype_bytes": dtype_bytes,
                          "gflops": round(2.0 * n * inp * out / sec / 1e9, 3)})
             if sec > 0.25:
@@ -133,7 +111,7 @@ def measure_read_bandwidth(nbytes: int) -> float:
     import torch
 
     x = torch.ones(nbytes // 4, dtype=torch.float32)
-    sec = _median_time(lambda: x.sum(), 0.05, 5)
+    sec = median_time(lambda: x.sum(), 0.05, 5)
     return nbytes / sec
 
 
@@ -165,7 +143,7 @@ def measure_copy_bandwidth(nbytes: int) -> float:
 
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    sec = _median_time(lambda: dst.copy_(src), 0.05, 5)
+    sec = median_time(lambda: dst.copy_(src), 0.05, 5)
     return nbytes / sec
 
 
@@ -183,7 +161,7 @@ def measure_op_overhead(hidden: int = 1024, dtype_bytes: int = 4) -> float:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
         w * xf.to(x.dtype)
 
-    return _median_time(norm, 0.02, 5) / 8
+    return median_time(norm, 0.02, 5) / 8
 
 
 def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 64,
@@ -264,7 +242,7 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     lens = torch.full((seqs,), ctx, dtype=torch.int32)
     # the path the engine takes for this head_dim (the torch reference where the kernel cannot)
     attention = DecodeAttention("auto", head_dim=d_k, latent_value_dim=latent)
-    sec = _median_time(lambda: attention(q, key, value, tables, lens, d_k ** -0.5),
+    sec = median_time(lambda: attention(q, key, value, tables, lens, d_k ** -0.5),
                        0.02 if fast else 0.05, 3 if fast else 5)
     kv = key.nbytes + (value.nbytes if value is not None else 0)
     return kv / sec, attention.describe()
@@ -277,11 +255,11 @@ def measure_cuda(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[
     nbytes = (256 if fast else 1024) << 20
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    h2d = nbytes / _median_time(lambda: dst.copy_(src, non_blocking=True), 0.05, 5, torch.cuda.synchronize)
+    h2d = nbytes / median_time(lambda: dst.copy_(src, non_blocking=True), 0.05, 5, torch.cuda.synchronize)
     props = torch.cuda.get_device_properties(0)
     rows = measure_gemms(shapes, dtype_bytes, tokens, fast, device="cuda")
     buf = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
-    dev_bw = nbytes / _median_time(lambda: buf.sum(), 0.05, 5, torch.cuda.synchronize)
+    dev_bw = nbytes / median_time(lambda: buf.sum(), 0.05, 5, torch.cuda.synchronize)
     peak = max(r["gflops"] for r in rows) / 1e3
     return {"link_gbps": round(h2d / GB, 2), "device_memory_gb": round(props.total_memory / GB, 1),
             "device_bw_gbps": round(dev_bw / GB, 1), "device_tflops": round(peak, 3), "gemm": rows,
@@ -293,14 +271,21 @@ def profile_machine(models: list[ModelSpec], fast: bool = False, threads: int = 
 
     `threads` (0 = all usable cores) must match the engine's `engine.threads`: the rates are
     those of that many cores."""
+    t_start = time.perf_counter()
+    with _threads(threads) as cores:
+        return _profile(models, fast, cores, t_start)
+
+
+@contextlib.contextmanager
+def _threads(threads: int) -> Iterator[int]:
+    """torch on `threads` threads (0 = all usable cores) inside the block; yields the count."""
     import torch
 
-    t_start = time.perf_counter()
     cores = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     previous = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
-        return _profile(models, fast, cores, t_start)
+        yield cores
     finally:
         torch.set_num_threads(previous)
 
@@ -319,6 +304,7 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     for m in models:
         cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast)
         attention.append(measure_attention(m, fast))
+    layer_ops, prefill_attention = measure_layers(models, tokens, fast)
     cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3
     host = measure_host_overhead(max((m.vocab_size for m in models), default=32000))
     att_rate = statistics.median(a[0] for a in attention) if attention else None
@@ -344,6 +330,7 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         "attention_kernel": attention[0][1] if attention else None,
         "gemm_impl": _gemm_impl(),
         "gemm": cpu_rows, "cpu_gemm": [],
+        "layer_ops": layer_ops, "prefill_attention": prefill_attention,
     }
     if torch.cuda.is_available():
         shapes = [s for m in models for s in gemm_shapes(m)]
@@ -354,6 +341,24 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         data["cpu_gemm"], data["gemm"] = cpu_rows, cuda["gemm"]
     data["profile_seconds"] = round(time.perf_counter() - t_start, 2)
     return data
+
+
+def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The element-wise layer work and prefill attention of each model's layer layout
+    (profile_layer_ops), once per layout: (layer_ops rows, prefill_attention rows)."""
+    from moe_engine.tools.profile_layer_ops import measure_layer_ops, measure_prefill_attention
+
+    ops: list[dict[str, Any]] = []
+    prefill: list[dict[str, Any]] = []
+    seen = set()
+    for m in models:
+        if not layer_ops_profiled(m) or layer_layout(m) in seen:
+            continue
+        seen.add(layer_layout(m))
+        ops += measure_layer_ops(m, tokens, fast)
+        prefill += measure_prefill_attention(m, fast)
+    return ops, prefill
 
 
 def _gemm_impl() -> str:
@@ -396,7 +401,8 @@ def learn_disk_rate(path: Path | str, offload_stats: dict[str, Any]) -> Optional
 
 
 def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False) -> dict[str, Any]:
-    """The cached profile at `path`, measured (or extended with `model`'s GEMM shapes) if needed."""
+    """The cached profile at `path`, measured (or extended with `model`'s GEMM shapes and layer
+    layout) if needed. A profile from before the layer-layout points gets only those measured."""
     path = Path(path)
     models = [model] if model is not None else []
     if path.exists():
@@ -406,22 +412,39 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
             write_profile(data, path)
         if profile_covers(data, models):
             return data
-        extra = profile_machine(models, fast=fast)
-        have = {(r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
-        data["gemm"] = list(data.get("gemm") or ()) + [
-            r for r in extra["gemm"] if (r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) not in have]
-        data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
-        for key in HOST_KEYS:
-            data.setdefault(key, extra[key])
-        if data.get("cpu_attention_gbps") is None:
-            data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
-            data["attention_kernel"] = extra["attention_kernel"]
+        missing = layouts_missing(data, models)
+        if gemms_covered(data, models):
+            with _threads(0):
+                ops, prefill = measure_layers(missing, FAST_TOKENS if fast else FULL_TOKENS, fast)
+        else:
+            extra = profile_machine(models, fast=fast)
+            ops, prefill = extra["layer_ops"], extra["prefill_attention"]
+            _merge_gemms(data, extra)
+        # A layout's rows come whole from one measurement: only missing layouts are added.
+        layouts = {layer_layout(m) for m in missing}
+        data["layer_ops"] = list(data.get("layer_ops") or ()) + [r for r in ops if r["layout"] in layouts]
+        data["prefill_attention"] = list(data.get("prefill_attention") or ()) + [
+            r for r in prefill if r["layout"] in layouts]
     else:
         if not models:
             models = [_default_model()]
         data = profile_machine(models, fast=fast)
     write_profile(data, path)
     return data
+
+
+def _merge_gemms(data: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Add to `data` what a new measurement `extra` has that it lacks: GEMM points, models,
+    engine-loop and disk figures, the decode-attention rate."""
+    have = {(r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
+    data["gemm"] = list(data.get("gemm") or ()) + [
+        r for r in extra["gemm"] if (r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) not in have]
+    data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
+    for key in HOST_KEYS:
+        data.setdefault(key, extra[key])
+    if data.get("cpu_attention_gbps") is None:
+        data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
+        data["attention_kernel"] = extra["attention_kernel"]
 
 
 def _default_model() -> ModelSpec:

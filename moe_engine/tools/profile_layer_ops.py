@@ -1,0 +1,132 @@
+"""Times a decoder layer's work outside the GEMMs on the engine's own code and the model's shapes.
+
+The GEMMs are timed per weight shape (profile_hardware.measure_gemms). What runs around them
+was a count of operator launches, which is right for a decode step of a few tokens and wrong for
+a prefill pass of ~2000: there each norm, RoPE, residual add and the router's softmax/top-k is a
+pass over [tokens, hidden], and prefill attention is a causal SDPA call and its slicing per
+prompt (docs/benchmarks.md, "Default run"). Both are measured here, each at several sizes, by
+calling the functions the engine's ModelRunner calls (model/layers.py, model/attention.py) on
+tensors of the model's layout, in the activations' dtype the engine would use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from moe_engine.perf.specs import ModelSpec, layer_layout
+from moe_engine.tools.timing import median_time
+
+PROMPT_LENGTHS = (8, 32, 128, 512, 1024)
+FAST_PROMPT_LENGTHS = (16, 128, 512)
+# Tokens of one timed prefill-attention call: a pass of the engine's default token budget.
+PASS_TOKENS = 2048
+
+
+def activation_dtype(m: ModelSpec):
+    """The engine's activations: fp32 over the packed kernels (its default where they are
+    built), else the weights' dtype (LLMEngine: act_dtype)."""
+    import torch
+
+    from moe_engine.model import packed
+
+    if packed.HAS_PACKED_KERNELS:
+        return torch.float32
+    return torch.float32 if m.dtype_bytes == 4 else torch.bfloat16
+
+
+def _dense_stub(m: ModelSpec, dtype):
+    """A layer's dense weights as far as the element-wise parts read them: the norms, q/k
+    norms and the attention sinks (the GEMM weights are never multiplied here)."""
+    import torch
+
+    from moe_engine.model.weights import DenseLayerWeights
+
+    h = m.hidden_size
+    # Qwen3 normalises each head ([head_dim]), OLMoE the whole projection ([q_size], [kv_size]).
+    widths = {"head": (m.head_dim, m.head_dim), "projection": (m.q_size, m.kv_size)}
+    q_norm = k_norm = None
+    if m.qk_norm is not None:
+        q_norm, k_norm = (torch.ones(w, dtype=dtype) for w in widths[m.qk_norm])
+    return DenseLayerWeights(
+        input_norm=torch.ones(h, dtype=dtype), post_norm=torch.ones(h, dtype=dtype),
+        wqkv=torch.empty(0), wo=torch.empty(0), q_norm=q_norm, k_norm=k_norm,
+        sinks=torch.zeros(m.num_heads, dtype=torch.float32) if m.attention_sinks else None,
+        score_correction_bias=(torch.zeros(m.num_experts, dtype=torch.float32)
+                               if m.router_scoring == "sigmoid" else None))
+
+
+def measure_layer_ops(m: ModelSpec, tokens: tuple[int, ...], fast: bool) -> list[dict[str, Any]]:
+    """Seconds per call, at each token count, of a layer's element-wise work as the ModelRunner
+    runs it: before attention the input norm and `qkv_heads` (split, q/k norm, RoPE); after it
+    the O projection's residual add, the post norm, `select_experts` on fp32 router logits and
+    the FFN's residual add. Positions are a prefill's (0..T-1 folded into the RoPE table)."""
+    import torch
+
+    from moe_engine.model.layers import RotaryTable, qkv_heads, rms_norm, select_experts
+
+    dtype = activation_dtype(m)
+    dense = _dense_stub(m, dtype)
+    rope = RotaryTable(m, max(tokens) + 1, dtype)
+    eps = m.rms_norm_eps
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, m.hidden_size, dtype=dtype)
+        qkv = torch.randn(n, m.qkv_out_features, dtype=dtype)
+        o = torch.randn(n, m.hidden_size, dtype=dtype)
+        ffn_out = torch.randn(n, m.hidden_size, dtype=dtype)
+        logits = torch.randn(n, max(1, m.num_experts), dtype=torch.float32)
+        positions = torch.arange(n, dtype=torch.int64)
+
+        def pre() -> None:
+            qkv_heads(qkv, dense, m, rope, positions)
+            rms_norm(x, dense.input_norm, eps)
+
+        def post() -> None:
+            y = x + o
+            rms_norm(y, dense.post_norm, eps)
+            if m.num_experts:
+                select_experts(logits, dtype, m, dense.score_correction_bias)
+            y + ffn_out
+
+        batch, trials = (0.005, 3) if fast else (0.02, 5)
+        rows.append({"layout": layer_layout(m), "tokens": n,
+                     "pre_attention_us": round(median_time(pre, batch, trials) * 1e6, 3),
+                     "post_attention_us": round(median_time(post, batch, trials) * 1e6, 3)})
+    return rows
+
+
+def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
+    """Seconds per prompt of the attention a prefill pass runs, at several prompt lengths: a
+    pass of PASS_TOKENS tokens in prompts of that length (one prompt when longer) has its K/V
+    written into a paged cache and runs `prefill_attention` (one causal SDPA call per prompt,
+    sinks and the first layer's window where the model has them); the time is divided by the
+    prompt count."""
+    import torch
+
+    from moe_engine.model.attention import DecodeAttention, prefill_attention
+
+    dtype = activation_dtype(m)
+    dense = _dense_stub(m, dtype)
+    heads, d_k, d_v = m.kv_cache_layout
+    attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
+    block = 16
+    rows = []
+    for p in FAST_PROMPT_LENGTHS if fast else PROMPT_LENGTHS:
+        n = max(1, PASS_TOKENS // p)
+        t = n * p
+        q = torch.randn(t, m.num_heads, m.head_dim, dtype=dtype)
+        k = torch.randn(t, m.num_kv_heads, m.head_dim, dtype=dtype)
+        v = torch.randn(t, m.num_kv_heads, m.v_head_dim, dtype=dtype)
+        nblocks = -(-t // block) + 1
+        kc = torch.zeros(nblocks, heads, block, d_k, dtype=dtype)
+        vc = torch.zeros(nblocks, heads, block, d_v, dtype=dtype)
+        slots = torch.arange(t, dtype=torch.int64)
+
+        def attend() -> None:
+            attention.write_kv(kc, vc, k, v, slots)
+            prefill_attention(q, k, v, [p] * n, m.attention_scale, sinks=dense.sinks,
+                              window=m.attention_window(0))
+
+        sec = median_time(attend, 0.01 if fast else 0.04, 3 if fast else 5)
+        rows.append({"layout": layer_layout(m), "prompt": p,
+                     "us_per_prompt": round(sec / n * 1e6, 3)})
+    return rows

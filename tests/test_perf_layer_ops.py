@@ -1,0 +1,114 @@
+"""The profiled element-wise layer work and prefill attention in the performance model: they
+replace the launch counts for the layout they were measured on, and only there."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moe_engine.perf import ModelSpec, Policy, load_preset, workload_spec_from_lengths
+from moe_engine.perf.cost import decode_step_times, prefill_time
+from moe_engine.perf.hardware import spec_from_figures
+from moe_engine.perf.roofline import (cpu_processor, device_processor, o_proj_router_time, pre_attention_time,
+                                      prefill_attention_time)
+from moe_engine.perf.specs import LayerOpsPoint, PrefillAttentionPoint, layer_layout
+from moe_engine.tools.presets import PRESETS, hf_config
+
+
+def _spec(preset: str, **overrides) -> ModelSpec:
+    return ModelSpec.from_hf_config({**hf_config(PRESETS[preset]), **overrides})
+
+
+TINY = _spec("tiny-mixtral")
+
+
+def _ops(layout: str) -> tuple[LayerOpsPoint, ...]:
+    # pre: 50 us + 1 us/token, post: 20 us + 0.5 us/token (exactly affine: interpolation is exact)
+    return tuple(LayerOpsPoint(layout, n, 50e-6 + 1e-6 * n, 20e-6 + 0.5e-6 * n) for n in (1, 64, 1024))
+
+
+def _prefill(layout: str, a: float, b: float, c: float) -> tuple[PrefillAttentionPoint, ...]:
+    return tuple(PrefillAttentionPoint(layout, p, a + b * p + c * p * p) for p in (8, 32, 128, 512, 1024))
+
+
+def _cpu(**fields):
+    return dataclasses.replace(load_preset("cpu"), op_overhead_s=2e-6, **fields)
+
+
+def test_layer_layout_ignores_the_name_and_separates_what_changes_the_work():
+    assert layer_layout(TINY) == layer_layout(dataclasses.replace(TINY, name="other-checkpoint"))
+    assert layer_layout(TINY) != layer_layout(_spec("tiny-mixtral", hidden_size=256))
+    assert layer_layout(TINY) != layer_layout(dataclasses.replace(TINY, qk_norm="head"))
+    assert layer_layout(TINY) != layer_layout(dataclasses.replace(TINY, router_scoring="sigmoid"))
+    assert layer_layout(TINY) != layer_layout(dataclasses.replace(TINY, torch_dtype="bfloat16"))
+
+
+def test_profiled_element_wise_time_replaces_the_launch_count_of_its_layout():
+    bare = cpu_processor(_cpu())
+    profiled = cpu_processor(_cpu(layer_ops_points=_ops(layer_layout(TINY))))
+    for n in (1, 300, 1024):
+        assert pre_attention_time(TINY, profiled, n) - pre_attention_time(TINY, bare, n) == pytest.approx(
+            (50e-6 + 1e-6 * n) - 34 * 2e-6)
+        assert o_proj_router_time(TINY, profiled, n) - o_proj_router_time(TINY, bare, n) == pytest.approx(
+            (20e-6 + 0.5e-6 * n) - 28 * 2e-6)
+    # Another layout's points say nothing about this model: it keeps its launches.
+    elsewhere = cpu_processor(_cpu(layer_ops_points=_ops("some-other-layout")))
+    assert pre_attention_time(TINY, elsewhere, 300) == pre_attention_time(TINY, bare, 300)
+
+
+def test_cpu_points_do_not_describe_an_accelerator():
+    points = _ops(layer_layout(TINY))
+    gpu = dataclasses.replace(load_preset("l4"), layer_ops_points=points,
+                              prefill_attention_points=_prefill(layer_layout(TINY), 1e-5, 0, 0))
+    assert device_processor(gpu).layer_ops(TINY, 64) is None
+    assert device_processor(gpu).prefill_attention_fit(TINY) is None
+    assert cpu_processor(gpu).layer_ops(TINY, 64) == pytest.approx((114e-6, 52e-6))
+    cpu = _cpu(layer_ops_points=points)
+    assert device_processor(cpu).layer_ops(TINY, 64) == pytest.approx((114e-6, 52e-6))
+
+
+def test_prefill_attention_is_the_fitted_per_prompt_time_averaged_over_the_workload():
+    a, b, c = 30e-6, 0.4e-6, 6e-9
+    proc = cpu_processor(_cpu(prefill_attention_points=_prefill(layer_layout(TINY), a, b, c)))
+    assert proc.prefill_attention_fit(TINY) == pytest.approx((a, b, c), rel=1e-6)
+    lengths = [40, 90, 160, 60, 113]
+    wl = workload_spec_from_lengths(lengths, 8)
+    # The mean of the per-prompt times, prompt by prompt (independent of the moments used).
+    expected = sum(a + b * p + c * p * p for p in lengths) / len(lengths)
+    assert prefill_attention_time(TINY, proc, wl, 17) == pytest.approx(17 * expected, rel=1e-6)
+
+
+def test_prefill_pass_costs_the_profiled_attention_of_its_prompts_in_every_layer():
+    """Two profiles that differ only in prefill attention per prompt: the prefill of K prompts
+    differs by K x layers x the difference, however they fall into passes."""
+    layout = layer_layout(TINY)
+    slow = _cpu(prefill_attention_points=_prefill(layout, 200e-6, 0, 0))
+    fast = _cpu(prefill_attention_points=_prefill(layout, 50e-6, 0, 0))
+    wl = workload_spec_from_lengths([100] * 320, 32)
+    pol = Policy(320, 320, False, True, 1.0, prefill_tokens=2048)
+    gap = prefill_time(TINY, slow, pol, wl, 320, True) - prefill_time(TINY, fast, pol, wl, 320, True)
+    assert gap == pytest.approx(320 * TINY.num_layers * 150e-6, rel=1e-6)
+
+
+def test_decode_step_uses_the_profiled_element_wise_time_at_its_micro_batch():
+    points = _ops(layer_layout(TINY))
+    bare, profiled = _cpu(), _cpu(layer_ops_points=points)
+    pol = Policy(64, 32, False, True, 1.0)  # two micro-batches of 32
+    gap = (decode_step_times(TINY, profiled, pol, 64, 100.0, True).total
+           - decode_step_times(TINY, bare, pol, 64, 100.0, True).total)
+    per_mb = (50e-6 + 32e-6) + (20e-6 + 16e-6) - (34 + 28) * 2e-6
+    assert gap == pytest.approx(TINY.num_layers * 2 * per_mb)
+
+
+def test_profile_yaml_rows_become_points():
+    figures = {"device_memory_gb": 1, "host_memory_gb": 1, "link_gbps": 1, "device_bw_gbps": 1,
+               "cpu_bw_gbps": 1, "device_tflops": 1, "cpu_tflops": 1,
+               "layer_ops": [{"layout": "L", "tokens": 8, "pre_attention_us": 3.0, "post_attention_us": 2.0}],
+               "prefill_attention": [{"layout": "L", "prompt": 64, "us_per_prompt": 40.0}]}
+    hw = spec_from_figures(figures)
+    (ops,), (attention,) = hw.layer_ops_points, hw.prefill_attention_points
+    assert (ops.layout, ops.tokens) == ("L", 8)
+    assert (ops.pre_attention_s, ops.post_attention_s) == pytest.approx((3e-6, 2e-6))
+    assert (attention.layout, attention.prompt, attention.seconds) == ("L", 64, pytest.approx(40e-6))
+    assert spec_from_figures({k: v for k, v in figures.items()
+                              if k not in ("layer_ops", "prefill_attention")}).layer_ops_points == ()
