@@ -164,3 +164,23 @@ def hf_config_of(preset: str) -> dict:
     from moe_engine.tools.presets import PRESETS, hf_config
 
     return hf_config(PRESETS[preset])
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-glm4-moe",
+                                    "tiny-gpt-oss"])
+def test_layer_ops_are_timed_on_every_family_the_engine_runs(preset):
+    """The layouts' variants (q/k norms per head or projection, sigmoid routing with a bias and
+    expert groups, sinks and a sliding window, partial RoPE) run through the engine's own
+    functions in the profiler; MLA's layouts are left to the launch counts."""
+    from moe_engine.perf.hardware import layer_ops_profiled
+    from moe_engine.perf.specs import layer_layout
+    from moe_engine.tools.profile_layer_ops import measure_layer_ops, measure_prefill_attention
+
+    m = ModelSpec.from_hf_config(hf_config_of(preset))
+    assert layer_ops_profiled(m)
+    ops = measure_layer_ops(m, (1, 16), fast=True)
+    attention = measure_prefill_attention(m, fast=True)
+    assert {r["layout"] for r in ops + attention} == {layer_layout(m)}
+    assert all(r["pre_attention_us"] > 0 and r["post_attention_us"] > 0 for r in ops)
+    assert all(r["us_per_prompt"] > 0 for r in attention)
+    assert not layer_ops_profiled(ModelSpec.from_hf_config(hf_config_of("tiny-deepseek-v3")))

@@ -51,7 +51,7 @@ def _dense_stub(m: ModelSpec, dtype):
         wqkv=torch.empty(0), wo=torch.empty(0), q_norm=q_norm, k_norm=k_norm,
         sinks=torch.zeros(m.num_heads, dtype=torch.float32) if m.attention_sinks else None,
         score_correction_bias=(torch.zeros(m.num_experts, dtype=torch.float32)
-                               if m.router_scoring == "sigmoid" else None))
+                               if m.router_score_correction else None))
 
 
 def measure_layer_ops(m: ModelSpec, tokens: tuple[int, ...], fast: bool) -> list[dict[str, Any]]:
