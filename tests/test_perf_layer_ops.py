@@ -27,8 +27,8 @@ def _ops(layout: str) -> tuple[LayerOpsPoint, ...]:
     return tuple(LayerOpsPoint(layout, n, 50e-6 + 1e-6 * n, 20e-6 + 0.5e-6 * n) for n in (1, 64, 1024))
 
 
-def _prefill(layout: str, a: float, b: float, c: float) -> tuple[PrefillAttentionPoint, ...]:
-    return tuple(PrefillAttentionPoint(layout, p, a + b * p + c * p * p) for p in (8, 32, 128, 512, 1024))
+def _prefill(layout: str, per_prompt: float) -> tuple[PrefillAttentionPoint, ...]:
+    return tuple(PrefillAttentionPoint(layout, p, per_prompt) for p in (8, 32, 128, 512, 1024))
 
 
 def _cpu(**fields):
@@ -59,31 +59,36 @@ def test_profiled_element_wise_time_replaces_the_launch_count_of_its_layout():
 def test_cpu_points_do_not_describe_an_accelerator():
     points = _ops(layer_layout(TINY))
     gpu = dataclasses.replace(load_preset("l4"), layer_ops_points=points,
-                              prefill_attention_points=_prefill(layer_layout(TINY), 1e-5, 0, 0))
+                              prefill_attention_points=_prefill(layer_layout(TINY), 1e-5))
     assert device_processor(gpu).layer_ops(TINY, 64) is None
-    assert device_processor(gpu).prefill_attention_fit(TINY) is None
+    assert device_processor(gpu).prefill_attention_curve(TINY) is None
     assert cpu_processor(gpu).layer_ops(TINY, 64) == pytest.approx((114e-6, 52e-6))
     cpu = _cpu(layer_ops_points=points)
     assert device_processor(cpu).layer_ops(TINY, 64) == pytest.approx((114e-6, 52e-6))
 
 
-def test_prefill_attention_is_the_fitted_per_prompt_time_averaged_over_the_workload():
-    a, b, c = 30e-6, 0.4e-6, 6e-9
-    proc = cpu_processor(_cpu(prefill_attention_points=_prefill(layer_layout(TINY), a, b, c)))
-    assert proc.prefill_attention_fit(TINY) == pytest.approx((a, b, c), rel=1e-6)
-    lengths = [40, 90, 160, 60, 113]
-    wl = workload_spec_from_lengths(lengths, 8)
-    # The mean of the per-prompt times, prompt by prompt (independent of the moments used).
-    expected = sum(a + b * p + c * p * p for p in lengths) / len(lengths)
-    assert prefill_attention_time(TINY, proc, wl, 17) == pytest.approx(17 * expected, rel=1e-6)
+def test_prefill_attention_is_the_per_prompt_time_at_each_length_averaged_over_the_workload():
+    # 1 us per token up to 100 tokens, 3 us per token beyond (the step-like SDPA cost)
+    points = tuple(PrefillAttentionPoint(layer_layout(TINY), p, t * 1e-6)
+                   for p, t in ((10, 10.0), (100, 100.0), (200, 400.0)))
+    proc = cpu_processor(_cpu(prefill_attention_points=points))
+    # Read off by hand: below the first point its time, beyond the last the last slope.
+    by_hand = {5: 10.0, 40: 40.0, 90: 90.0, 113: 139.0, 160: 280.0, 250: 550.0}
+    wl = workload_spec_from_lengths(list(by_hand) + [40], 8)
+    expected = (sum(by_hand.values()) + 40.0) / 7 * 1e-6
+    assert prefill_attention_time(TINY, proc, wl, 17) == pytest.approx(17 * expected)
+    # The mean length alone (a workload without per-prompt lengths) reads the curve there.
+    steady = dataclasses.replace(wl, prompt_lengths=())
+    assert wl.mean_prompt == pytest.approx(698 / 7)  # on the 1 us/token segment
+    assert prefill_attention_time(TINY, proc, steady, 2) == pytest.approx(2 * 1e-6 * 698 / 7)
 
 
 def test_prefill_pass_costs_the_profiled_attention_of_its_prompts_in_every_layer():
     """Two profiles that differ only in prefill attention per prompt: the prefill of K prompts
     differs by K x layers x the difference, however they fall into passes."""
     layout = layer_layout(TINY)
-    slow = _cpu(prefill_attention_points=_prefill(layout, 200e-6, 0, 0))
-    fast = _cpu(prefill_attention_points=_prefill(layout, 50e-6, 0, 0))
+    slow = _cpu(prefill_attention_points=_prefill(layout, 200e-6))
+    fast = _cpu(prefill_attention_points=_prefill(layout, 50e-6))
     wl = workload_spec_from_lengths([100] * 320, 32)
     pol = Policy(320, 320, False, True, 1.0, prefill_tokens=2048)
     gap = prefill_time(TINY, slow, pol, wl, 320, True) - prefill_time(TINY, fast, pol, wl, 320, True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -132,11 +133,11 @@ class Processor:
             return None
         return _interp_time(curves[0], tokens), _interp_time(curves[1], tokens)
 
-    def prefill_attention_fit(self, m: ModelSpec) -> tuple[float, float, float] | None:
-        """(a, b, c) of the profiled seconds per prompt a + b p + c p^2 of `m`'s layout."""
+    def prefill_attention_curve(self, m: ModelSpec) -> tuple[tuple[int, float], ...] | None:
+        """Profiled (prompt length, seconds per prompt) of `m`'s layout, None if absent."""
         if not self.prefill_attention_points:
             return None
-        return _prefill_attention_fit(self.prefill_attention_points, layer_layout(m))
+        return _prefill_attention_curve(self.prefill_attention_points, layer_layout(m))
 
 
 def device_processor(hw: HardwareSpec) -> Processor:
@@ -165,44 +166,18 @@ def _layer_ops_curves(points: tuple[LayerOpsPoint, ...], layout: str
 
 
 @lru_cache(maxsize=256)
-def _prefill_attention_fit(points: tuple[PrefillAttentionPoint, ...], layout: str
-                           ) -> tuple[float, float, float] | None:
-    """Least-squares fit of seconds per prompt = a + b p + c p^2 (launches, the K/V write and
-    slicing per token, the causal score matrix) to the layout's points, each weighted by the
-    inverse of its time so short and long prompts count alike (relative error). A
-    quadratic because its mean over a workload needs only the mean prompt and the mean
-    squared prompt the WorkloadSpec keeps."""
-    rows = [(float(p.prompt), p.seconds) for p in points if p.layout == layout and p.seconds > 0]
-    if not rows:
-        return None
-    if len(rows) < 3:  # too few to fit a curve: per-token cost through the mean point
-        p = sum(r[0] for r in rows) / len(rows)
-        return 0.0, sum(r[1] for r in rows) / len(rows) / p, 0.0
-    # Normal equations of sum_i w_i (a + b p_i + c p_i^2 - t_i)^2 with w_i = 1 / t_i^2.
-    ata = [[0.0] * 3 for _ in range(3)]
-    atb = [0.0] * 3
-    for p, t in rows:
-        basis, w = (1.0, p, p * p), 1.0 / (t * t)
-        for i in range(3):
-            atb[i] += w * basis[i] * t
-            for j in range(3):
-                ata[i][j] += w * basis[i] * basis[j]
-    return tuple(_solve3(ata, atb))
+def _prefill_attention_curve(points: tuple[PrefillAttentionPoint, ...], layout: str
+                             ) -> tuple[tuple[int, float], ...] | None:
+    rows = tuple(sorted((p.prompt, p.seconds) for p in points if p.layout == layout))
+    return rows or None
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b for a 3x3 system (Gaussian elimination with partial pivoting)."""
-    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, 3):
-            f = m[r][col] / m[col][col]
-            m[r] = [x - f * y for x, y in zip(m[r], m[col])]
-    x = [0.0] * 3
-    for r in (2, 1, 0):
-        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
-    return x
+@lru_cache(maxsize=64)
+def _mean_prompt_time(curve: tuple[tuple[int, float], ...], lengths: tuple[int, ...]) -> float:
+    """Mean over the prompts of the per-prompt time read off the curve at each one's length
+    (SDPA's cost is step-like in the length: at the mean length it is up to 20% off the mean)."""
+    counts = Counter(lengths)
+    return sum(n * _interp_time(curve, p) for p, n in counts.items()) / len(lengths)
 
 
 # Non-GEMM operator launches per layer and micro-batch, counted in the engine's layer code
@@ -308,13 +283,15 @@ def prefill_attention_flops(m: ModelSpec, prompt_len_sq_mean: float) -> float:
 
 def prefill_attention_time(m: ModelSpec, proc: Processor, wl: WorkloadSpec, prompts: float) -> float:
     """Attention of one layer in a prefill pass of `prompts` of the workload's prompts: the
-    profiled seconds per prompt a + b p + c p^2 of the model's layout averaged over the
-    workload (a + b E[p] + c E[p^2]), else the causal FLOPs at the processor's peak plus the
-    launches of the attention call and of each prompt's SDPA."""
-    fit = proc.prefill_attention_fit(m)
-    if fit is not None:
-        a, b, c = fit
-        per_prompt = a + b * wl.mean_prompt + c * wl.sum_prompt_sq
-        return prompts * max(0.0, per_prompt)
+    profiled seconds per prompt of the model's layout, read at each prompt's length and averaged
+    over the workload (at the mean length without per-prompt lengths), else the causal FLOPs at
+    the processor's peak plus the launches of the attention call and of each prompt's SDPA."""
+    curve = proc.prefill_attention_curve(m)
+    if curve is not None:
+        if wl.prompt_lengths:
+            per_prompt = _mean_prompt_time(curve, wl.prompt_lengths)
+        else:
+            per_prompt = _interp_time(curve, wl.mean_prompt)
+        return prompts * per_prompt
     flops = prefill_attention_flops(m, wl.sum_prompt_sq) * prompts
     return flops / proc.flops + (ATTN_OPS + PREFILL_OPS_PER_SEQ * prompts) * proc.op_overhead_s

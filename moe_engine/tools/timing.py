@@ -1,4 +1,4 @@
-"""The profiler's timer: medians of batched calls, because the VM is noisy."""
+"""The profiler's timers: batched calls, several batches, because the VM is noisy."""
 from __future__ import annotations
 
 import statistics
@@ -6,9 +6,9 @@ import time
 from typing import Any, Callable
 
 
-def median_time(fn: Callable[[], Any], min_batch_s: float, trials: int,
-                sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds per call: calls are batched until a batch lasts min_batch_s, `trials` batches."""
+def batch_times(fn: Callable[[], Any], min_batch_s: float, trials: int,
+                sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds per call of `trials` batches: calls are batched until a batch lasts min_batch_s."""
     fn()
     sync()
     reps = 1
@@ -28,4 +28,17 @@ def median_time(fn: Callable[[], Any], min_batch_s: float, trials: int,
             fn()
         sync()
         times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], Any], min_batch_s: float, trials: int,
+                sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds per call over `trials` batches."""
+    return statistics.median(batch_times(fn, min_batch_s, trials, sync))
+
+
+def best_time(fn: Callable[[], Any], min_batch_s: float, trials: int) -> float:
+    """Fastest batch's seconds per call: for work made of many short parallel regions, which a
+    neighbour's process can only slow down (a descheduled OpenMP thread holds up every region
+    by a scheduler quantum), so the fastest batch is the machine's own figure."""
+    return min(batch_times(fn, min_batch_s, trials))
