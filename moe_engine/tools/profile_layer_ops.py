@@ -7,16 +7,17 @@ pass over [tokens, hidden], and prefill attention is a causal SDPA call and its 
 prompt (docs/benchmarks.md, "Default run"). Both are measured here, each at several sizes, by
 calling the functions the engine's ModelRunner calls (model/layers.py, model/attention.py) on
 tensors of the model's layout, in the activations' dtype the engine would use. Each figure is
-the fastest of several batches (`best_time`): these are runs of short parallel regions, which
-another process on the machine slows by 2-100x for as long as it runs (a quiet machine's figure
-is what the model is for).
+the fastest of batches taken in turn with the others' over the whole measurement
+(`interleaved_best_times`): these are runs of short parallel regions, which another process on
+the machine slows by 2-100x for as long as it runs, and a quiet machine's figure is what the
+model is for.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from moe_engine.perf.specs import ModelSpec, layer_layout
-from moe_engine.tools.timing import best_time
+from moe_engine.tools.timing import interleaved_best_times
 
 # Dense where prompts usually are: SDPA's time per prompt is step-like in the length.
 PROMPT_LENGTHS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 2048)
@@ -71,31 +72,40 @@ def measure_layer_ops(m: ModelSpec, tokens: tuple[int, ...], fast: bool) -> list
     dense = _dense_stub(m, dtype)
     rope = RotaryTable(m, max(tokens) + 1, dtype)
     eps = m.rms_norm_eps
-    rows = []
-    for n in tokens:
-        x = torch.randn(n, m.hidden_size, dtype=dtype)
-        qkv = torch.randn(n, m.qkv_out_features, dtype=dtype)
-        o = torch.randn(n, m.hidden_size, dtype=dtype)
-        ffn_out = torch.randn(n, m.hidden_size, dtype=dtype)
-        logits = torch.randn(n, max(1, m.num_experts), dtype=torch.float32)
-        positions = torch.arange(n, dtype=torch.int64)
 
-        def pre() -> None:
-            qkv_heads(qkv, dense, m, rope, positions)
-            rms_norm(x, dense.input_norm, eps)
+    def inputs(n: int) -> dict[str, Any]:
+        return {"x": torch.randn(n, m.hidden_size, dtype=dtype),
+                "qkv": torch.randn(n, m.qkv_out_features, dtype=dtype),
+                "o": torch.randn(n, m.hidden_size, dtype=dtype),
+                "ffn_out": torch.randn(n, m.hidden_size, dtype=dtype),
+                "logits": torch.randn(n, max(1, m.num_experts), dtype=torch.float32),
+                "positions": torch.arange(n, dtype=torch.int64)}
 
-        def post() -> None:
-            y = x + o
-            rms_norm(y, dense.post_norm, eps)
-            if m.num_experts:
-                select_experts(logits, dtype, m, dense.score_correction_bias)
-            y + ffn_out
+    def pre_maker(n: int) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            t = inputs(n)
+            return lambda: (qkv_heads(t["qkv"], dense, m, rope, t["positions"]),
+                            rms_norm(t["x"], dense.input_norm, eps))
+        return make
 
-        batch, trials = (0.005, 3) if fast else (0.01, 9)
-        rows.append({"layout": layer_layout(m), "tokens": n,
-                     "pre_attention_us": round(best_time(pre, batch, trials) * 1e6, 3),
-                     "post_attention_us": round(best_time(post, batch, trials) * 1e6, 3)})
-    return rows
+    def post_maker(n: int) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            t = inputs(n)
+
+            def post() -> None:
+                y = t["x"] + t["o"]
+                rms_norm(y, dense.post_norm, eps)
+                if m.num_experts:
+                    select_experts(t["logits"], dtype, m, dense.score_correction_bias)
+                y + t["ffn_out"]
+            return post
+        return make
+
+    makers = [maker(n) for n in tokens for maker in (pre_maker, post_maker)]
+    batch, rounds = (0.005, 3) if fast else (0.01, 9)
+    best = interleaved_best_times(makers, batch, rounds)
+    return [{"layout": layer_layout(m), "tokens": n, "pre_attention_us": round(best[2 * i] * 1e6, 3),
+             "post_attention_us": round(best[2 * i + 1] * 1e6, 3)} for i, n in enumerate(tokens)]
 
 
 def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
@@ -113,24 +123,29 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
     heads, d_k, d_v = m.kv_cache_layout
     attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
     block = 16
-    rows = []
-    for p in FAST_PROMPT_LENGTHS if fast else PROMPT_LENGTHS:
-        n = max(1, PASS_TOKENS // p)
-        t = n * p
-        q = torch.randn(t, m.num_heads, m.head_dim, dtype=dtype)
-        k = torch.randn(t, m.num_kv_heads, m.head_dim, dtype=dtype)
-        v = torch.randn(t, m.num_kv_heads, m.v_head_dim, dtype=dtype)
-        nblocks = -(-t // block) + 1
-        kc = torch.zeros(nblocks, heads, block, d_k, dtype=dtype)
-        vc = torch.zeros(nblocks, heads, block, d_v, dtype=dtype)
-        slots = torch.arange(t, dtype=torch.int64)
+    lengths = FAST_PROMPT_LENGTHS if fast else PROMPT_LENGTHS
 
-        def attend() -> None:
-            attention.write_kv(kc, vc, k, v, slots)
-            prefill_attention(q, k, v, [p] * n, m.attention_scale, sinks=dense.sinks,
-                              window=m.attention_window(0))
+    def maker(p: int) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            n = max(1, PASS_TOKENS // p)
+            t = n * p
+            q = torch.randn(t, m.num_heads, m.head_dim, dtype=dtype)
+            k = torch.randn(t, m.num_kv_heads, m.head_dim, dtype=dtype)
+            v = torch.randn(t, m.num_kv_heads, m.v_head_dim, dtype=dtype)
+            nblocks = -(-t // block) + 1
+            kc = torch.zeros(nblocks, heads, block, d_k, dtype=dtype)
+            vc = torch.zeros(nblocks, heads, block, d_v, dtype=dtype)
+            slots = torch.arange(t, dtype=torch.int64)
 
-        sec = best_time(attend, 0.005 if fast else 0.01, 3 if fast else 9)
-        rows.append({"layout": layer_layout(m), "prompt": p,
-                     "us_per_prompt": round(sec / n * 1e6, 3)})
-    return rows
+            def attend() -> None:
+                attention.write_kv(kc, vc, k, v, slots)
+                prefill_attention(q, k, v, [p] * n, m.attention_scale, sinks=dense.sinks,
+                                  window=m.attention_window(0))
+            return attend
+        return make
+
+    batch, rounds = (0.005, 3) if fast else (0.01, 9)
+    best = interleaved_best_times([maker(p) for p in lengths], batch, rounds)
+    return [{"layout": layer_layout(m), "prompt": p,
+             "us_per_prompt": round(sec / max(1, PASS_TOKENS // p) * 1e6, 3)}
+            for p, sec in zip(lengths, best)]

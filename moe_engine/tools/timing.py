@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 def batch_times(fn: Callable[[], Any], min_batch_s: float, trials: int,
@@ -37,8 +37,17 @@ def median_time(fn: Callable[[], Any], min_batch_s: float, trials: int,
     return statistics.median(batch_times(fn, min_batch_s, trials, sync))
 
 
-def best_time(fn: Callable[[], Any], min_batch_s: float, trials: int) -> float:
-    """Fastest batch's seconds per call: for work made of many short parallel regions, which a
-    neighbour's process can only slow down (a descheduled OpenMP thread holds up every region
-    by a scheduler quantum), so the fastest batch is the machine's own figure."""
-    return min(batch_times(fn, min_batch_s, trials))
+def interleaved_best_times(makers: Sequence[Callable[[], Callable[[], Any]]], min_batch_s: float,
+                           rounds: int) -> list[float]:
+    """Seconds per call of the fastest batch of each of several measurements, taken in turn one
+    batch each per round. For work made of many short parallel regions, which a neighbour's
+    process can only slow down (a descheduled OpenMP thread holds up every region by a scheduler
+    quantum): the fastest batch is the machine's own figure, and spreading each figure's batches
+    over the whole measurement lets a burst of the neighbour's work spoil a few of them rather
+    than all. `makers` build their call (and its tensors) anew each round, so only one
+    measurement's tensors are alive at a time."""
+    best = [float("inf")] * len(makers)
+    for _ in range(rounds):
+        for i, make in enumerate(makers):
+            best[i] = min(best[i], batch_times(make(), min_batch_s, 1)[0])
+    return best
