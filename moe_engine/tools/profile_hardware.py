@@ -4,9 +4,11 @@ Measured: GEMM time for the model's own weight shapes at several token counts, o
 engine runs (the packed CPU kernels when built; the roofline with peak figures is 2-4x off for
 skinny decode GEMMs on a CPU), the decode-attention kernel's KV
 streaming rate (the issue-3 Cython kernel when built, else the torch fallback; the YAML says
-which), memory read and copy bandwidth, the launch overhead of a small operator, and on CUDA the
-pinned host-to-device bandwidth and device GEMM rates. The VM is noisy, so each figure is the
-median of several timed batches.
+which), memory read and copy bandwidth, the launch overhead of a small operator, per layer
+layout the element-wise work around the GEMMs and prefill attention per prompt
+(profile_layer_ops), and on CUDA the pinned host-to-device bandwidth and device GEMM rates. The
+VM is noisy, so each figure is the median of several timed batches (the layer-layout figures:
+the fastest, see profile_layer_ops).
 
     python -m moe_engine.tools.profile_hardware [--out this.yaml] [--model small-mixtral] [--fast]
     python -m moe_engine.tools.profile_hardware --ensure --model <checkpoint dir>   # the policy stage
@@ -243,7 +245,7 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     # the path the engine takes for this head_dim (the torch reference where the kernel cannot)
     attention = DecodeAttention("auto", head_dim=d_k, latent_value_dim=latent)
     sec = median_time(lambda: attention(q, key, value, tables, lens, d_k ** -0.5),
-                       0.02 if fast else 0.05, 3 if fast else 5)
+                      0.02 if fast else 0.05, 3 if fast else 5)
     kv = key.nbytes + (value.nbytes if value is not None else 0)
     return kv / sec, attention.describe()
 
