@@ -167,7 +167,7 @@ def hf_config_of(preset: str) -> dict:
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-glm4-moe",
-                                    "tiny-gpt-oss", "tiny-ernie45-moe"])
+                                    "tiny-gpt-oss", "tiny-ernie45-moe", "tiny-llama4"])
 def test_layer_ops_are_timed_on_every_family_the_engine_runs(preset):
     """The layouts' variants (q/k norms per head or projection, sigmoid routing with a bias and
     expert groups, sinks and a sliding window, partial RoPE) run through the engine's own

@@ -60,7 +60,8 @@ def layer_layout(m: ModelSpec) -> str:
              f"e{m.num_experts}k{m.top_k}", f"b{m.dtype_bytes}", f"rot{m.rotary_dim}",
              f"{m.router_scoring}g{m.router_groups}"]
     flags = {"qk": m.qk_norm, "clip": m.clip_qkv is not None, "il": m.rope_interleave,
-             "bias": m.router_score_correction,
+             "bias": m.router_score_correction, "l2": m.qk_l2_norm,
+             "inscaled": m.router_scales_input,
              "sinks": m.attention_sinks, "win": m.attention_window(0) is not None}
     parts += [k if v is True else f"{k}{v}" for k, v in flags.items() if v]
     return "-".join(parts)
