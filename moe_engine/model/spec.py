@@ -419,13 +419,23 @@ class ModelSpec:
         return self.dense_params_per_layer * self.dtype_bytes + self.experts_bytes_per_layer
 
     @cached_property
+    def dense_layer_params(self) -> int:
+        """A layer without experts: attention, its dense MLP, the two norms."""
+        return self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size
+
+    @cached_property
     def dense_layer_bytes(self) -> int:
-        return (self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size) * self.dtype_bytes
+        return self.dense_layer_params * self.dtype_bytes
+
+    @cached_property
+    def embedding_params(self) -> int:
+        """The embedding, the LM head unless tied, the final norm."""
+        tables = 1 if self.tie_word_embeddings else 2
+        return tables * self.vocab_size * self.hidden_size + self.hidden_size
 
     @cached_property
     def embedding_bytes(self) -> int:
-        tables = 1 if self.tie_word_embeddings else 2
-        return (tables * self.vocab_size * self.hidden_size + self.hidden_size) * self.dtype_bytes
+        return self.embedding_params * self.dtype_bytes
 
     @cached_property
     def active_params(self) -> int:
@@ -433,8 +443,7 @@ class ModelSpec:
         count "activated" parameters): every dense layer, and per MoE layer all but the
         routed experts it is not sent to."""
         moe = self.dense_params_per_layer + self.top_k * self.expert_params
-        dense = self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size
-        return self.num_moe_layers * moe + self.num_dense_layers * dense
+        return self.num_moe_layers * moe + self.num_dense_layers * self.dense_layer_params
 
     @cached_property
     def layers_bytes(self) -> int:
@@ -447,10 +456,8 @@ class ModelSpec:
     @cached_property
     def total_params(self) -> int:
         moe = self.dense_params_per_layer + self.experts_params_per_layer
-        dense = self.attn_params_per_layer + self.dense_mlp_params + 2 * self.hidden_size
-        tables = 1 if self.tie_word_embeddings else 2
-        return (self.num_moe_layers * moe + self.num_dense_layers * dense
-                + tables * self.vocab_size * self.hidden_size + self.hidden_size)
+        return (self.num_moe_layers * moe + self.num_dense_layers * self.dense_layer_params
+                + self.embedding_params)
 
     @cached_property
     def kv_bytes_per_token_layer(self) -> int:
