@@ -30,7 +30,7 @@ from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, kv_pool_blocks
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.spec import EXPERT_STORAGE_BITS, ModelSpec, load_spec
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, load_spec
 from moe_engine.offload.disk import DiskReadError
 from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
 from moe_engine.offload.routing import find_profile
@@ -58,7 +58,7 @@ class LLMEngine:
         torch.set_num_threads(threads)
         self.spec = load_spec(model_dir)
         self.dtype = resolve_dtype(dtype, self.spec)  # the weights' storage
-        self.gemm, self.gemm_fallback = _gemm_impl(config, self.spec)
+        self.gemm = _gemm_impl(config)
         act_dtype = torch.float32 if self.gemm == "packed" else self.dtype
         kv = DType(config.kv_dtype)
         kv_dtype = self.dtype if kv is DType.auto else resolve_dtype(kv.value, self.spec)
@@ -183,8 +183,7 @@ class LLMEngine:
         if self.gemm == "packed":
             return (f"packed kernels, ISA {packed.ISA}, weights {packed.storage_name(self.dtype)}, "
                     f"experts {self.expert_storage}")
-        path = f"torch {str(self.dtype).replace('torch.', '')}"
-        return path if self.gemm_fallback is None else f"{path} ({self.gemm_fallback})"
+        return f"torch {str(self.dtype).replace('torch.', '')}"
 
     @property
     def attention_path(self) -> str:
@@ -386,16 +385,15 @@ class LLMEngine:
             s.bytes_moved = moved.bytes_moved
 
 
-def _gemm_impl(config: EngineConfig, spec: ModelSpec) -> tuple[str, Optional[str]]:
-    """('packed' (the CPU kernels) or 'torch', why auto fell back to torch or None), from
-    engine.gemm, the backend and what the model's experts compute."""
-    gemm, experts = GemmImpl(config.gemm), ExpertDType(config.expert_dtype)
+def _gemm_impl(config: EngineConfig) -> str:
+    """'packed' (the CPU kernels) or 'torch', from engine.gemm, the backend and whether the
+    kernels are built (every architecture's experts run on them)."""
+    gemm = GemmImpl(config.gemm)
     if gemm is GemmImpl.torch or DeviceKind(config.backend) is not DeviceKind.cpu:
-        return "torch", None
-    quantized = experts.quantized
+        return "torch"
     if not packed.HAS_PACKED_KERNELS:
-        if gemm is GemmImpl.packed or quantized:
+        if gemm is GemmImpl.packed or ExpertDType(config.expert_dtype).quantized:
             raise RuntimeError("engine.gemm=packed (or quantized experts) needs the packed CPU "
                                "kernels, which are not built (python setup.py build_ext --inplace)")
-        return "torch", None
-    return "packed", None
+        return "torch"
+    return "packed"
