@@ -27,14 +27,20 @@ PROFILE = REPO / "tests" / "cluster" / "profile"
 SNAKEMAKE = str(Path(sys.executable).parent / "snakemake")
 SHARDS = 4
 CANCELLED_SHARD = "1"
-# One sequence at a time and a checkpoint line per row: a generate job runs for seconds and
-# checkpoints from its first row on, so it can be cancelled half way.
-CORPUS = f"workload.inputs=[{REPO / 'data' / 'sample_prompts.jsonl'}] engine.policy=config"
-OVERRIDES = f"{CORPUS} workload.num_shards={SHARDS} engine.max_num_seqs=1 engine.checkpoint_every=1"
-# The reference: one local shard in batches of 64. A row's tokens do not depend on its batch
-# (the packed kernels are batch invariant), so the cluster's one-at-a-time rows must match it;
-# and it runs in a fraction of the time the same one-at-a-time run would take.
-LOCAL_OVERRIDES = f"{CORPUS} workload.num_shards=1 engine.max_num_seqs=64"
+# The first rows of the bundled corpus: 16 rows a shard are enough for a job to be cancelled
+# half way (it is cancelled after 3 checkpointed rows), and rows run one at a time, so the whole
+# 320-row corpus would spend two minutes of the suite on generation the test does not look at.
+CORPUS_ROWS = 64
+
+
+def _overrides(corpus: Path) -> tuple[str, str]:
+    """(cluster, local) overrides. The cluster runs one sequence at a time with a checkpoint line
+    per row, so a generate job runs for seconds and checkpoints from its first row on. The
+    reference is one local shard in batches of 64: a row's tokens do not depend on its batch
+    (the packed kernels are batch invariant), so the cluster's one-at-a-time rows must match it."""
+    common = f"workload.inputs=[{corpus}] engine.policy=config"
+    return (f"{common} workload.num_shards={SHARDS} engine.max_num_seqs=1 engine.checkpoint_every=1",
+            f"{common} workload.num_shards=1 engine.max_num_seqs=64")
 
 pytestmark = [
     pytest.mark.slow,
@@ -70,7 +76,7 @@ def slurm():
             _sh("bash", str(SCRIPT), "down", check=False, timeout=180)
 
 
-def _snakemake(workdir: Path, *extra: str, overrides: str = OVERRIDES) -> subprocess.Popen:
+def _snakemake(workdir: Path, *extra: str, overrides: str) -> subprocess.Popen:
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *extra,
            "--config", f"overrides={overrides}"]
     log = open(workdir / "snakemake.out", "w")
@@ -111,8 +117,12 @@ def test_generate_jobs_run_as_slurm_jobs_and_a_cancelled_one_resumes(slurm, tmp_
     local, cluster = tmp_path / "local", tmp_path / "slurm"
     local.mkdir()
     cluster.mkdir()
+    corpus = tmp_path / "prompts.jsonl"
+    rows = [line for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines() if line.strip()]
+    corpus.write_text("\n".join(rows[:CORPUS_ROWS]) + "\n")
+    cluster_overrides, local_overrides = _overrides(corpus)
     started = time.monotonic()
-    proc = _snakemake(cluster, "--workflow-profile", str(PROFILE))
+    proc = _snakemake(cluster, "--workflow-profile", str(PROFILE), overrides=cluster_overrides)
     try:
         cancelled = _cancel_when_checkpointed(cluster, proc)
         assert proc.wait(timeout=600) == 0, (cluster / "snakemake.out").read_text()[-4000:]
@@ -146,10 +156,9 @@ def test_generate_jobs_run_as_slurm_jobs_and_a_cancelled_one_resumes(slurm, tmp_
     assert stats["resumed_rows"] + stats["generated_rows"] == stats["rows"]
 
     # Every row exactly once, with the tokens a local run gives.
-    local_run = _snakemake(local, "--cores", "2", overrides=LOCAL_OVERRIDES)
+    local_run = _snakemake(local, "--cores", "2", overrides=local_overrides)
     assert local_run.wait(timeout=600) == 0, (local / "snakemake.out").read_text()[-4000:]
     ours, theirs = _outputs(cluster), _outputs(local)
-    corpus_rows = sum(1 for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines() if line.strip())
-    assert ours.height == corpus_rows and ours["id"].n_unique() == corpus_rows
+    assert ours.height == CORPUS_ROWS and ours["id"].n_unique() == CORPUS_ROWS
     assert ours.select("id", "status", "output_token_ids").equals(theirs.select("id", "status", "output_token_ids"))
     print(f"slurm run with one cancelled and resumed generate job: {slurm_s:.0f} s; {log.count('submitted with SLURM jobid')} Slurm submissions")
