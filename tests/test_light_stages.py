@@ -145,12 +145,13 @@ def test_policy_stage_with_the_machine_profile_cached_loads_no_torch(sharded, ti
     path.parent.mkdir(parents=True)
     rows = [{"inp": i, "out": o, "tokens": 1, "dtype_bytes": model.dtype_bytes, "gflops": 50.0}
             for i, o in gemm_shapes(model)]
-    layout = layer_layout(model)  # the element-wise and prefill-attention figures too
+    layout = layer_layout(model)  # the element-wise and attention figures of its layout too
     data = {"name": "profiled-cached", "device_tflops": 0.3, "cpu_tflops": 0.3, "cpu_bw_gbps": 15.0,
             "device_bw_gbps": 15.0, "link_gbps": 15.0, "gemm": rows, **{k: 1.0 for k in HOST_KEYS},
             "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0,
                            "post_attention_us": 1.0}],
-            "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}]}
+            "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
+            "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}]}
     assert profile_covers(data, [model])
     path.write_text(yaml.safe_dump(data))
     out = tmp / "auto-policy.json"

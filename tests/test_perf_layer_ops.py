@@ -9,9 +9,9 @@ import pytest
 from moe_engine.perf import ModelSpec, Policy, load_preset, workload_spec_from_lengths
 from moe_engine.perf.cost import decode_step_times, prefill_time
 from moe_engine.perf.hardware import spec_from_figures
-from moe_engine.perf.roofline import (cpu_processor, device_processor, o_proj_router_time, pre_attention_time,
-                                      prefill_attention_time)
-from moe_engine.perf.specs import LayerOpsPoint, PrefillAttentionPoint, layer_layout
+from moe_engine.perf.roofline import (cpu_attention_time, cpu_processor, device_processor, o_proj_router_time,
+                                      pre_attention_time, prefill_attention_time)
+from moe_engine.perf.specs import DecodeAttentionPoint, LayerOpsPoint, PrefillAttentionPoint, layer_layout
 from moe_engine.tools.presets import PRESETS, hf_config
 
 
@@ -105,15 +105,45 @@ def test_decode_step_uses_the_profiled_element_wise_time_at_its_micro_batch():
     assert gap == pytest.approx(TINY.num_layers * 2 * per_mb)
 
 
+def test_decode_attention_call_cost_replaces_its_launches_and_the_cache_read_stays():
+    """Profiled per call at a one-block context, read at the step's batch (interpolated), and the
+    cache's bytes at the KV rate on top; another layout keeps the launch count."""
+    layout = layer_layout(TINY)
+    points = tuple(DecodeAttentionPoint(layout, b, 40e-6 + 0.5e-6 * b) for b in (1, 16, 256))
+    bare, profiled = _cpu(cpu_attention_bw=20e9), _cpu(cpu_attention_bw=20e9, decode_attention_points=points)
+    for batch, ctx in ((1, 16), (7, 300), (100, 1000)):
+        reads = batch * ctx * TINY.kv_bytes_per_token_layer / 20e9
+        assert cpu_attention_time(TINY, profiled, batch, ctx) == pytest.approx(40e-6 + 0.5e-6 * batch + reads, rel=1e-3)
+        assert cpu_attention_time(TINY, bare, batch, ctx) == pytest.approx(16 * 2e-6 + reads, rel=1e-3)
+    other = tuple(DecodeAttentionPoint("another-layout", b, 1.0) for b in (1, 16))
+    assert cpu_attention_time(TINY, _cpu(cpu_attention_bw=20e9, decode_attention_points=other), 7, 300) == \
+        cpu_attention_time(TINY, bare, 7, 300)
+
+
+def test_host_cost_per_sequence_grows_with_the_vocabulary():
+    hw = _cpu(host_seq_s=4e-6, host_logit_s=0.5e-9)
+    assert hw.host_seq_cost(8192) == pytest.approx(4e-6 + 8192 * 0.5e-9)
+    big_vocab = dataclasses.replace(TINY, vocab_size=65536)
+    pol = Policy(64, 64, False, True, 1.0)
+    gap = (decode_step_times(big_vocab, hw, pol, 64, 100.0, True).t_host
+           - decode_step_times(TINY, hw, pol, 64, 100.0, True).t_host)
+    assert gap == pytest.approx(64 * (65536 - TINY.vocab_size) * 0.5e-9)
+
+
 def test_profile_yaml_rows_become_points():
     figures = {"device_memory_gb": 1, "host_memory_gb": 1, "link_gbps": 1, "device_bw_gbps": 1,
                "cpu_bw_gbps": 1, "device_tflops": 1, "cpu_tflops": 1,
                "layer_ops": [{"layout": "L", "tokens": 8, "pre_attention_us": 3.0, "post_attention_us": 2.0}],
-               "prefill_attention": [{"layout": "L", "prompt": 64, "us_per_prompt": 40.0}]}
+               "prefill_attention": [{"layout": "L", "prompt": 64, "us_per_prompt": 40.0}],
+               "decode_attention": [{"layout": "L", "batch": 16, "context": 16, "us_per_call": 50.0}],
+               "host_seq_us": 4.0, "host_logit_ns": 0.5}
     hw = spec_from_figures(figures)
     (ops,), (attention,) = hw.layer_ops_points, hw.prefill_attention_points
     assert (ops.layout, ops.tokens) == ("L", 8)
     assert (ops.pre_attention_s, ops.post_attention_s) == pytest.approx((3e-6, 2e-6))
     assert (attention.layout, attention.prompt, attention.seconds) == ("L", 64, pytest.approx(40e-6))
+    (decode,) = hw.decode_attention_points
+    assert (decode.layout, decode.batch, decode.seconds) == ("L", 16, pytest.approx(50e-6))
+    assert hw.host_seq_cost(1000) == pytest.approx(4e-6 + 1000 * 0.5e-9)
     assert spec_from_figures({k: v for k, v in figures.items()
                               if k not in ("layer_ops", "prefill_attention")}).layer_ops_points == ()

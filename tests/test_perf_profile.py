@@ -135,9 +135,17 @@ def test_profile_times_the_layer_layouts_element_wise_work_and_prefill_attention
     prefill = [r for r in data["prefill_attention"] if r["layout"] == layout]
     assert sorted(r["prompt"] for r in prefill) == sorted(FAST_PROMPT_LENGTHS)
     assert all(r["us_per_prompt"] > 0 for r in prefill)
+    from moe_engine.tools.profile_layer_ops import FAST_DECODE_BATCHES
+
+    decode = [r for r in data["decode_attention"] if r["layout"] == layout]
+    assert sorted(r["batch"] for r in decode) == sorted(FAST_DECODE_BATCHES)
+    assert all(r["us_per_call"] > 0 for r in decode)
     spec = spec_from_figures(data)
     assert len(spec.layer_ops_points) == len(data["layer_ops"])
     assert len(spec.prefill_attention_points) == len(data["prefill_attention"])
+    assert len(spec.decode_attention_points) == len(data["decode_attention"])
+    # The engine loop's per-sequence cost is split into a fixed part and one per logit.
+    assert data["host_logit_ns"] >= 0 and spec.host_seq_cost(32000) >= spec.host_seq_cost(1024)
 
 
 def test_profile_from_before_layer_ops_gains_them_and_keeps_its_gemms(tiny, tiny_profile, tmp_path):
@@ -154,6 +162,15 @@ def test_profile_from_before_layer_ops_gains_them_and_keeps_its_gemms(tiny, tiny
     assert again["gemm"] == data["gemm"]
     assert profile_covers(again, [tiny])
     assert len(again["layer_ops"]) == len(data["layer_ops"])
+    # A profile from before decode attention was profiled per call gains it, and the layout's
+    # other rows are replaced by the new measurement's, not added to.
+    older = {k: v for k, v in again.items() if k != "decode_attention"}
+    path.write_text(yaml.safe_dump(older))
+    assert not profile_covers(older, [tiny])
+    newer = ensure_profile(path, model=tiny, fast=True)
+    assert profile_covers(newer, [tiny]) and newer["gemm"] == data["gemm"]
+    for key in ("layer_ops", "prefill_attention", "decode_attention"):
+        assert len(newer[key]) == len(data[key]), key
     renamed = ModelSpec.from_hf_config(hf_config_of("tiny-mixtral"), name="another-checkpoint")
     before = path.stat().st_mtime_ns
     ensure_profile(path, model=renamed, fast=True)

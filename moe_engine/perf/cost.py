@@ -13,6 +13,7 @@ from functools import lru_cache
 from .roofline import (HEAD_OPS, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
                        device_processor, expected_active_experts, expert_ffn_time,
                        o_proj_router_time, pre_attention_time, prefill_attention_time)
+from .schedule import StepBucket, step_trace
 from .specs import HardwareSpec, ModelSpec, WorkloadSpec, blocks_for
 
 # Slack factors (docs/perf_model.md explains them).
@@ -226,51 +227,96 @@ def _procs(hw: HardwareSpec, cpu_backend: bool) -> tuple[Processor, Processor]:
     return (cpu if cpu_backend else device_processor(hw)), cpu
 
 
+def _micro_batch_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, decode: float,
+                       ctx: float, prompts: float, wl: WorkloadSpec | None, cpu_backend: bool,
+                       moe_layer: bool) -> tuple[float, float, float, float]:
+    """(device s, CPU s, link bytes in, link bytes out) of one layer for one micro-batch of
+    `tokens` tokens: `decode` decode sequences at mean context `ctx` and `prompts` prompts whose
+    tokens make up the rest (the engine packs both into one micro-batch: the GEMMs and
+    element-wise work run over all its rows, attention per kind)."""
+    dev, cpu = _procs(hw, cpu_backend)
+    b = m.dtype_bytes
+    g = pre_attention_time(m, dev, tokens) + o_proj_router_time(m, dev, tokens)
+    c = link_in = link_out = 0.0
+    if moe_layer:
+        ffn = expert_ffn_time(m, dev if policy.ffn_on_device else cpu, tokens)
+    else:
+        ffn = dense_mlp_time(m, dev, tokens)
+    if policy.ffn_on_device or not moe_layer:
+        g += ffn
+    else:
+        c += ffn
+        link_out += tokens * m.hidden_size * b
+        link_in += tokens * m.hidden_size * b
+    on_device = policy.attention_on_device and not cpu_backend
+    if prompts and wl is not None:
+        # Prefill attention runs where the step's attention runs; its K/V goes to the host cache.
+        pf = prefill_attention_time(m, dev if on_device else cpu, wl, prompts)
+        if on_device:
+            g += pf
+            link_out += (tokens - decode) * m.kv_bytes_per_token_layer * (1.0 - policy.kv_device_ratio)
+        else:
+            c += pf
+    if decode:
+        if on_device:
+            read = policy.kv_device_ratio if policy.kv_read_ratio is None else policy.kv_read_ratio
+            g += device_attention_time(m, hw, decode, ctx, read)
+            link_in += ((1.0 - policy.kv_device_ratio) * decode * m.attended_context(ctx)
+                        * m.kv_bytes_per_token_layer)
+        else:
+            c += cpu_attention_time(m, hw, decode, ctx)
+    if not on_device:
+        link_out += tokens * m.qkv_out_features * b  # q/k/v to the host
+        link_in += tokens * m.num_heads * m.v_head_dim * b  # attention output back
+    return g, c, link_in, link_out
+
+
+def _layer_link_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, moe_layer: bool, link_in: float,
+                     link_out: float) -> float:
+    """The link's seconds for one layer: the non-resident weights join the inbound traffic, and
+    opposite directions run concurrently (Lightning 4.1)."""
+    w_layer = m.moe_layer_bytes if moe_layer else m.dense_layer_bytes
+    if moe_layer and not policy.ffn_on_device:
+        w_layer = m.dense_params_per_layer * m.dtype_bytes
+    link_in += (1.0 - policy.resident_ratio) * w_layer
+    return max(link_in, link_out) / hw.link_bw
+
+
 def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
                        cpu_backend: bool, moe_layer: bool = True) -> tuple[float, float, float]:
     """(T_io, T_cpu, T_gpu) of one layer for a decode step of `n_tokens` sequences at mean context
     `ctx`, split into micro-batches of mu (Lightning eqs. 13-14, with QKV/O/router included)."""
-    dev, cpu = _procs(hw, cpu_backend)
     mu = policy.micro_batch_size
     full, rest = divmod(n_tokens, mu)
     sizes = [(mu, full)] + ([(rest, 1)] if rest else [])
-    t_gpu = t_cpu = 0.0
-    t_link_in = t_link_out = 0.0
-    b = m.dtype_bytes
+    t_gpu = t_cpu = t_link_in = t_link_out = 0.0
     for size, count in sizes:
         if count == 0:
             continue
-        g = pre_attention_time(m, dev, size) + o_proj_router_time(m, dev, size)
-        c = 0.0
-        if moe_layer:
-            ffn = expert_ffn_time(m, dev if policy.ffn_on_device else cpu, size)
-        else:
-            ffn = dense_mlp_time(m, dev, size)
-        if policy.ffn_on_device or not moe_layer:
-            g += ffn
-        else:
-            c += ffn
-            t_link_out += count * size * m.hidden_size * b
-            t_link_in += count * size * m.hidden_size * b
-        if policy.attention_on_device and not cpu_backend:
-            read = policy.kv_device_ratio if policy.kv_read_ratio is None else policy.kv_read_ratio
-            g += device_attention_time(m, hw, size, ctx, read)
-            t_link_in += (count * (1.0 - policy.kv_device_ratio) * size * m.attended_context(ctx)
-                          * m.kv_bytes_per_token_layer)
-        else:
-            c += cpu_attention_time(m, hw, size, ctx)
-            t_link_out += count * size * m.qkv_out_features * b  # q/k/v to the host
-            t_link_in += count * size * m.num_heads * m.v_head_dim * b  # attention output back
+        g, c, li, lo = _micro_batch_times(m, hw, policy, size, size, ctx, 0.0, None, cpu_backend, moe_layer)
         t_gpu += count * g
         t_cpu += count * c
+        t_link_in += count * li
+        t_link_out += count * lo
     if cpu_backend:
         return 0.0, t_cpu, t_gpu
-    w_layer = m.moe_layer_bytes if moe_layer else m.dense_layer_bytes
-    if moe_layer and not policy.ffn_on_device:
-        w_layer = m.dense_params_per_layer * m.dtype_bytes
-    t_link_in += (1.0 - policy.resident_ratio) * w_layer
-    # Opposite directions of the link run concurrently (Lightning 4.1).
-    return max(t_link_in, t_link_out) / hw.link_bw, t_cpu, t_gpu
+    return _layer_link_time(m, hw, policy, moe_layer, t_link_in, t_link_out), t_cpu, t_gpu
+
+
+def layer_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, step: StepBucket,
+                     cpu_backend: bool, moe_layer: bool = True) -> tuple[float, float, float]:
+    """(T_io, T_cpu, T_gpu) of one layer for an engine step carrying prefill and decode tokens
+    (`schedule.step_trace`): the scheduler splits its sequences into up to N/mu micro-batches
+    of balanced tokens, taken here as equal shares."""
+    seqs = step.decode_seqs + step.prefill_prompts
+    n_ub = max(1, min(policy.num_micro_batches, math.ceil(seqs)))
+    tokens = (step.decode_seqs + step.prefill_tokens) / n_ub
+    g, c, li, lo = _micro_batch_times(m, hw, policy, tokens, step.decode_seqs / n_ub, step.decode_context,
+                                      step.prefill_prompts / n_ub, wl, cpu_backend, moe_layer)
+    g, c, li, lo = n_ub * g, n_ub * c, n_ub * li, n_ub * lo
+    if cpu_backend:
+        return 0.0, c, g
+    return _layer_link_time(m, hw, policy, moe_layer, li, lo), c, g
 
 
 def head_time(m: ModelSpec, hw: HardwareSpec, n_tokens: int, cpu_backend: bool) -> float:
@@ -298,8 +344,53 @@ def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: 
     head = head_time(m, hw, n_tokens, cpu_backend)
     # The engine loop runs between steps on the host, overlapping nothing (the next step's
     # inputs depend on this step's tokens).
-    host = hw.host_step_s + n_tokens * hw.host_seq_s
+    host = hw.host_step_s + n_tokens * hw.host_seq_cost(m.vocab_size)
     return StepTimes(totals[0], totals[1], totals[2], head, step + head + host, host, t_disk)
+
+
+def engine_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, step: StepBucket,
+                      cpu_backend: bool) -> StepTimes:
+    """One engine step as the scheduler runs it, prefill and decode tokens together: the layers
+    as in `decode_step_times` over all the step's tokens, the LM head over one row per sequence
+    (a prompt's last token, a decode's new one), and the host loop's per-step, per-sequence and
+    per-prompt-token work."""
+    totals = [0.0, 0.0, 0.0]
+    layers = t_disk = 0.0
+    tokens = step.prefill_tokens + step.decode_seqs
+    for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
+        if count == 0:
+            continue
+        io, c, g = layer_step_times(m, hw, policy, wl, step, cpu_backend, moe)
+        d = disk_layer_time(m, hw, policy, tokens) if moe else 0.0
+        totals = [totals[0] + count * io, totals[1] + count * c, totals[2] + count * g]
+        t_disk += count * d
+        layers += count * (max(c + g, d) if cpu_backend else max(io, c, g, d))
+    seqs = step.decode_seqs + step.prefill_prompts
+    head = head_time(m, hw, seqs, cpu_backend)
+    host = hw.host_step_s + seqs * hw.host_seq_cost(m.vocab_size) + step.prefill_tokens * hw.host_token_s
+    return StepTimes(totals[0], totals[1], totals[2], head, layers + head + host, host, t_disk)
+
+
+def _traced_run_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec,
+                     cpu_backend: bool) -> tuple[float, float, StepTimes]:
+    """(seconds of the steps carrying prefill, seconds of decode-only steps, the fullest decode
+    step's breakdown) of a bounded run with known prompt lengths, replayed step by step as the
+    engine's scheduler runs it (`schedule.step_trace`)."""
+    gens = wl.gen_lengths or (wl.gen_len,) * len(wl.prompt_lengths)
+    trace = step_trace(wl.prompt_lengths, tuple(gens), policy.batch_size, policy.prefill_tokens)
+    prefill = decode = 0.0
+    full: tuple[float, StepTimes] | None = None
+    for bucket in trace:
+        t = engine_step_times(m, hw, policy, wl, bucket, cpu_backend)
+        if bucket.carries_prefill:
+            prefill += bucket.steps * t.total
+        else:
+            decode += bucket.steps * t.total
+            if full is None or bucket.decode_seqs > full[0]:
+                full = (bucket.decode_seqs, t)
+    if full is None:
+        full = (1, decode_step_times(m, hw, policy, 1, wl.mean_prompt + 1.0, cpu_backend))
+    return prefill, decode, full[1]
 
 
 def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,
@@ -330,7 +421,7 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
             layer_compute = max(layer_compute, io_in, io_out)
         compute += count * layer_compute
     seqs_per_pass = int(math.ceil(chunk / max(1.0, wl.mean_prompt)))
-    host = passes * (hw.host_step_s + seqs_per_pass * hw.host_seq_s) + total_tokens * hw.host_token_s
+    host = passes * (hw.host_step_s + seqs_per_pass * hw.host_seq_cost(m.vocab_size)) + total_tokens * hw.host_token_s
     return compute + passes * head_time(m, hw, seqs_per_pass, cpu_backend) + host
 
 
@@ -430,6 +521,12 @@ def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cp
     mem = memory_use(m, hw, wl, policy, cpu_backend)
     if wl.prefill_only:
         return _predict_prefill_only(m, hw, wl, policy, cpu_backend, mem)
+    if wl.num_requests and len(wl.prompt_lengths) == wl.num_requests:
+        prefill, decode, step = _traced_run_time(m, hw, policy, wl, cpu_backend)
+        total = prefill + decode
+        tokens = sum(wl.gen_lengths) if wl.gen_lengths else wl.num_requests * wl.gen_len
+        return Prediction(policy, tokens / total if total > 0 else 0.0, step, prefill, decode, mem,
+                          min(policy.batch_size, wl.num_requests))
     if wl.gen_lengths:
         prefill = prefill_time(m, hw, policy, wl, wl.num_requests, cpu_backend)
         decode, step = _bounded_decode_time(m, hw, policy, wl, cpu_backend)

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from .specs import (GB, TFLOPS, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
+from .specs import (GB, TFLOPS, DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
                     layer_layout)
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
@@ -28,7 +28,7 @@ CYTHON_KERNEL_NAME = "paged_attention"
 PACKED_KERNEL_NAME = "packed_gemm"
 # Figures every profile must have besides GEMM rates: the engine loop's and the disk tier's
 # (profiles from before they existed lack them).
-HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "disk_read_gbps")
+HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "host_logit_ns", "disk_read_gbps")
 
 
 # An NVMe SSD's sequential O_DIRECT reads at queue depth 1 with 16 MiB requests (1.1-2.9 GB/s
@@ -39,7 +39,7 @@ DEFAULT_DISK_READ_GBPS = 2.0
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
     keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us, host_*_us, layer_ops,
-    prefill_attention) are read when present."""
+    prefill_attention, decode_attention) are read when present."""
     device = fig.get("device", "cpu")
     device = getattr(device, "value", device)
     return HardwareSpec(
@@ -54,6 +54,7 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         host_step_s=float(fig.get("host_step_us", 0.0)) * 1e-6,
         host_seq_s=float(fig.get("host_seq_us", 0.0)) * 1e-6,
         host_token_s=float(fig.get("host_token_us", 0.0)) * 1e-6,
+        host_logit_s=float(fig.get("host_logit_ns", 0.0)) * 1e-9,
         disk_bw=disk_read_gbps(fig) * GB,
         layer_ops_points=tuple(
             LayerOpsPoint(str(r["layout"]), int(r["tokens"]), float(r["pre_attention_us"]) * 1e-6,
@@ -61,6 +62,9 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         prefill_attention_points=tuple(
             PrefillAttentionPoint(str(r["layout"]), int(r["prompt"]), float(r["us_per_prompt"]) * 1e-6)
             for r in fig.get("prefill_attention") or ()),
+        decode_attention_points=tuple(
+            DecodeAttentionPoint(str(r["layout"]), int(r["batch"]), float(r["us_per_call"]) * 1e-6)
+            for r in fig.get("decode_attention") or ()),
         notes=str(fig.get("attention_kernel", "")),
     )
 
@@ -195,10 +199,14 @@ def layer_ops_profiled(m: ModelSpec) -> bool:
     return m.mla is None
 
 
+# The per-layout figures of a profile, measured together (profile_hardware.measure_layers).
+LAYOUT_KEYS = ("layer_ops", "prefill_attention", "decode_attention")
+
+
 def layouts_profiled(data: Mapping[str, Any]) -> set[str]:
-    """Layer layouts a profile has both the element-wise and the prefill-attention points of."""
-    ops = {r["layout"] for r in data.get("layer_ops") or ()}
-    return ops & {r["layout"] for r in data.get("prefill_attention") or ()}
+    """Layer layouts a profile has every kind of per-layout point of (LAYOUT_KEYS)."""
+    sets = [{r["layout"] for r in data.get(key) or ()} for key in LAYOUT_KEYS]
+    return set.intersection(*sets)
 
 
 def layouts_missing(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> list[ModelSpec]:

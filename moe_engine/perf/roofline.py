@@ -16,7 +16,8 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .specs import GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint, WorkloadSpec, layer_layout
+from .specs import (DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
+                    WorkloadSpec, layer_layout)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,13 @@ def _prefill_attention_curve(points: tuple[PrefillAttentionPoint, ...], layout: 
     return rows or None
 
 
+@lru_cache(maxsize=256)
+def _decode_attention_curve(points: tuple[DecodeAttentionPoint, ...], layout: str
+                            ) -> tuple[tuple[int, float], ...] | None:
+    rows = tuple(sorted((p.batch, p.seconds) for p in points if p.layout == layout))
+    return rows or None
+
+
 @lru_cache(maxsize=64)
 def _mean_prompt_time(curve: tuple[tuple[int, float], ...], lengths: tuple[int, ...]) -> float:
     """Mean over the prompts of the per-prompt time read off the curve at each one's length
@@ -263,10 +271,16 @@ def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:
 
 
 def cpu_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float) -> float:
-    """Decode attention on the CPU: the profiled kernel's KV streaming rate when known."""
+    """Decode attention on the CPU: reading the cache at the profiled kernel's KV streaming rate
+    when known, plus the call's own cost at `mu` sequences where the model's layout was profiled
+    (cache write, output copy, the kernel's per-sequence setup: on a small model several times
+    its reads), else its operator launches."""
     c = decode_attention_cost(m, mu, ctx)
     bw = hw.cpu_attention_bw or hw.cpu_bw
-    return roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + _ATTN_OPS * hw.op_overhead_s
+    curve = (_decode_attention_curve(hw.decode_attention_points, layer_layout(m))
+             if hw.decode_attention_points else None)
+    call = _interp_time(curve, mu) if curve is not None else _ATTN_OPS * hw.op_overhead_s
+    return roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + call
 
 
 def device_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float, kv_on_device: float) -> float:

@@ -15,7 +15,7 @@ from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError, dtype_by
 TFLOPS = 1e12
 
 __all__ = ["GB", "TFLOPS", "ModelSpec", "UnsupportedModelError", "dtype_bytes_of", "GemmPoint", "HardwareSpec",
-           "LayerOpsPoint", "PrefillAttentionPoint", "WorkloadSpec", "layer_layout",
+           "LayerOpsPoint", "PrefillAttentionPoint", "DecodeAttentionPoint", "WorkloadSpec", "layer_layout",
            "workload_spec_from_lengths", "blocks_for"]
 
 
@@ -49,6 +49,16 @@ class PrefillAttentionPoint:
 
     layout: str
     prompt: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeAttentionPoint:
+    """Seconds per call of a decode step's attention (K/V write, kernel call, output copy) for
+    `batch` sequences at a one-block context: the call's cost apart from reading the cache."""
+
+    layout: str
+    batch: int
     seconds: float
 
 
@@ -91,16 +101,23 @@ class HardwareSpec:
     cpu_gemm_points: tuple[GemmPoint, ...] = ()
     op_overhead_s: float = 0.0
     # The engine loop's own host work (scheduling, packing inputs, sampling), profiled: per
-    # step, per sequence in a decode step, per prompt token in a prefill pass.
+    # step, per sequence in a decode step (plus per entry of its logits row: sampling reads
+    # it), per prompt token in a prefill pass.
     host_step_s: float = 0.0
     host_seq_s: float = 0.0
     host_token_s: float = 0.0
+    host_logit_s: float = 0.0
+
+    def host_seq_cost(self, vocab_size: int) -> float:
+        """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
+        return self.host_seq_s + vocab_size * self.host_logit_s
     # Sequential O_DIRECT read bandwidth of the disk holding the experts (the disk tier's link).
     disk_bw: float = 2.0e9
-    # Profiled element-wise work per layer and prefill attention per prompt, per layer layout
-    # (the CPU's: the profiler times them on the engine's CPU code).
+    # Profiled element-wise work per layer, prefill attention per prompt and decode attention
+    # per call, per layer layout (the CPU's: the profiler times them on the engine's CPU code).
     layer_ops_points: tuple[LayerOpsPoint, ...] = ()
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
+    decode_attention_points: tuple[DecodeAttentionPoint, ...] = ()
     notes: str = ""
 
     @property

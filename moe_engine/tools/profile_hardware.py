@@ -31,7 +31,7 @@ import yaml
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
-from moe_engine.perf.hardware import (HOST_KEYS, gemm_shapes, gemms_covered, layer_ops_profiled, layouts_missing,
+from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
 from moe_engine.tools.timing import median_time
@@ -166,14 +166,17 @@ def measure_op_overhead(hidden: int = 1024, dtype_bytes: int = 4) -> float:
     return median_time(norm, 0.02, 5) / 8
 
 
-def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 64,
+def measure_host_overhead(vocab_size: int, evict_bytes: int = 1 << 62, block_size: int = 16, prompt: int = 64,
                           batches: tuple[int, int] = (1, 128), steps: int = 24) -> dict[str, float]:
     """Host-side seconds the engine loop spends per step outside the model: scheduling, packing
     the step's inputs, sampling (argmax over the vocabulary), appending the tokens and the
     step's bookkeeping. Measured by running the engine's own loop (`LLMEngine.around`) on a
     runner that returns logits at once, at two decode batch sizes, and split into a per-step
     and a per-sequence part; a prefill pass costs per prompt token (`host_token_s`). Small
-    models on a CPU spend a fifth of a step here."""
+    models on a CPU spend a fifth of a step here. Each model call first streams a buffer twice
+    the last-level cache, outside the timed intervals: a real forward pass evicts the loop's
+    sequences, block tables and logits, and the loop runs about twice as long per step from
+    memory as from a warm cache (tiny-mixtral's default run: ~150 us a step, not ~75)."""
     import torch
 
     from moe_engine.config import EngineConfig
@@ -188,10 +191,13 @@ def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 6
         def __init__(self, n: int):
             self.logits = torch.randn(n, vocab_size)
             self.times = PhaseTimes()
-            self.calls: list[float] = []
+            self.calls: list[float] = []  # when each step reached the model
+            self.returns: list[float] = []  # when the model call returned, caches evicted
 
         def forward(self, micro_batches) -> torch.Tensor:
             self.calls.append(time.perf_counter())
+            evict.add_(1.0)
+            self.returns.append(time.perf_counter())
             return self.logits[:sum(int(mb.logits_indices.numel()) for mb in micro_batches)]
 
     def run(n: int) -> tuple[float, float]:
@@ -207,14 +213,31 @@ def measure_host_overhead(vocab_size: int, block_size: int = 16, prompt: int = 6
         t0 = time.perf_counter()
         for _ in engine.generate(requests):
             pass
-        calls = runner.calls  # the prefill step, then steps + 1 decode steps
-        prefill = calls[1] - t0  # admission, the prefill pass and one decode step's scheduling
-        return prefill, statistics.median(b - a for a, b in zip(calls[1:], calls[2:]))
+        calls, returns = runner.calls, runner.returns  # the prefill step, then steps + 1 decode steps
+        # Admission, the prefill pass and one decode step's scheduling.
+        prefill = calls[1] - t0 - (returns[0] - calls[0])
+        return prefill, statistics.median(b - a for a, b in zip(returns[1:], calls[2:]))
 
+    evict = torch.zeros(max(1 << 20, min(evict_bytes, 2 * last_level_cache_bytes())) // 4)
     (_, small), (prefill, large) = run(batches[0]), run(batches[1])
     per_seq = max(0.0, (large - small) / (batches[1] - batches[0]))
     return {"host_step_s": max(0.0, small - per_seq * batches[0]), "host_seq_s": per_seq,
             "host_token_s": max(0.0, prefill - small) / (batches[1] * prompt)}
+
+
+def measure_engine_loop(models: list[ModelSpec], small_vocab: int = 1024) -> dict[str, float]:
+    """The engine loop's host figures, with its per-sequence cost split into a fixed part and
+    a part per vocabulary entry (sampling reads each sequence's logits row: 8 us a sequence at
+    8192 entries, 18 at 32000 on the 2-core EPYC), so one profile prices models of any
+    vocabulary. The caches are evicted between steps by as many bytes as the largest model's
+    weights (a step reads them all), at most twice the last-level cache."""
+    vocab = max([m.vocab_size for m in models] + [32000])
+    weights = max([int(m.total_bytes) for m in models] + [1 << 20])
+    large = measure_host_overhead(vocab, weights)
+    small = measure_host_overhead(small_vocab, weights)
+    per_logit = max(0.0, (large["host_seq_s"] - small["host_seq_s"]) / (vocab - small_vocab))
+    return {**large, "host_seq_s": max(0.0, large["host_seq_s"] - per_logit * vocab),
+            "host_logit_s": per_logit}
 
 
 def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
@@ -306,9 +329,9 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     for m in models:
         cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast)
         attention.append(measure_attention(m, fast))
-    layer_ops, prefill_attention = measure_layers(models, tokens, fast)
+    layouts = measure_layers(models, tokens, fast)
     cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3
-    host = measure_host_overhead(max((m.vocab_size for m in models), default=32000))
+    host = measure_engine_loop(models)
     att_rate = statistics.median(a[0] for a in attention) if attention else None
     data: dict[str, Any] = {
         "name": f"profiled-{machine_fingerprint()}", "device": "cpu",
@@ -327,12 +350,13 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
         "host_step_us": round(host["host_step_s"] * 1e6, 2),
         "host_seq_us": round(host["host_seq_s"] * 1e6, 3),
         "host_token_us": round(host["host_token_s"] * 1e6, 4),
+        "host_logit_ns": round(host["host_logit_s"] * 1e9, 4),
         "cpu_attention_gbps": round(att_rate / GB, 2) if att_rate else None,
         "disk_read_gbps": round(measure_disk_read_bandwidth(default_cache_dir()) / GB, 3),
         "attention_kernel": attention[0][1] if attention else None,
         "gemm_impl": _gemm_impl(),
         "gemm": cpu_rows, "cpu_gemm": [],
-        "layer_ops": layer_ops, "prefill_attention": prefill_attention,
+        **layouts,
     }
     if torch.cuda.is_available():
         shapes = [s for m in models for s in gemm_shapes(m)]
@@ -345,22 +369,22 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     return data
 
 
-def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool
-                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The element-wise layer work and prefill attention of each model's layer layout
-    (profile_layer_ops), once per layout: (layer_ops rows, prefill_attention rows)."""
-    from moe_engine.tools.profile_layer_ops import measure_layer_ops, measure_prefill_attention
+def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool) -> dict[str, list[dict[str, Any]]]:
+    """The element-wise layer work, prefill attention per prompt and decode attention per call
+    of each model's layer layout (profile_layer_ops), once per layout: rows by LAYOUT_KEYS."""
+    from moe_engine.tools.profile_layer_ops import (measure_decode_attention, measure_layer_ops,
+                                                    measure_prefill_attention)
 
-    ops: list[dict[str, Any]] = []
-    prefill: list[dict[str, Any]] = []
+    rows: dict[str, list[dict[str, Any]]] = {key: [] for key in LAYOUT_KEYS}
     seen = set()
     for m in models:
         if not layer_ops_profiled(m) or layer_layout(m) in seen:
             continue
         seen.add(layer_layout(m))
-        ops += measure_layer_ops(m, tokens, fast)
-        prefill += measure_prefill_attention(m, fast)
-    return ops, prefill
+        rows["layer_ops"] += measure_layer_ops(m, tokens, fast)
+        rows["prefill_attention"] += measure_prefill_attention(m, fast)
+        rows["decode_attention"] += measure_decode_attention(m, fast)
+    return rows
 
 
 def _gemm_impl() -> str:
@@ -417,16 +441,17 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
         missing = layouts_missing(data, models)
         if gemms_covered(data, models):
             with _threads(0):
-                ops, prefill = measure_layers(missing, FAST_TOKENS if fast else FULL_TOKENS, fast)
+                measured = measure_layers(missing, FAST_TOKENS if fast else FULL_TOKENS, fast)
         else:
             extra = profile_machine(models, fast=fast)
-            ops, prefill = extra["layer_ops"], extra["prefill_attention"]
+            measured = {key: extra.get(key) or [] for key in LAYOUT_KEYS}
             _merge_gemms(data, extra)
-        # A layout's rows come whole from one measurement: only missing layouts are added.
+        # A layout's rows come whole from one measurement: a missing layout's rows (including
+        # the kinds an older profile had before a kind was added) are replaced, others kept.
         layouts = {layer_layout(m) for m in missing}
-        data["layer_ops"] = list(data.get("layer_ops") or ()) + [r for r in ops if r["layout"] in layouts]
-        data["prefill_attention"] = list(data.get("prefill_attention") or ()) + [
-            r for r in prefill if r["layout"] in layouts]
+        for key in LAYOUT_KEYS:
+            data[key] = ([r for r in data.get(key) or () if r["layout"] not in layouts]
+                         + [r for r in measured[key] if r["layout"] in layouts])
     else:
         if not models:
             models = [_default_model()]
@@ -442,8 +467,10 @@ def _merge_gemms(data: dict[str, Any], extra: dict[str, Any]) -> None:
     data["gemm"] = list(data.get("gemm") or ()) + [
         r for r in extra["gemm"] if (r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) not in have]
     data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
-    for key in HOST_KEYS:
-        data.setdefault(key, extra[key])
+    if any(key not in data for key in HOST_KEYS):
+        # The engine-loop figures come from one measurement: an older profile's are replaced
+        # (the per-logit split and the evicted caches changed what the others mean).
+        data.update({key: extra[key] for key in HOST_KEYS})
     if data.get("cpu_attention_gbps") is None:
         data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
         data["attention_kernel"] = extra["attention_kernel"]

@@ -149,3 +149,54 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
     return [{"layout": layer_layout(m), "prompt": p,
              "us_per_prompt": round(sec / max(1, PASS_TOKENS // p) * 1e6, 3)}
             for p, sec in zip(lengths, best)]
+
+
+# Decode batches the per-call cost of decode attention is timed at (the engine's steps run from
+# one sequence to N); the context is one block, so the figure is the call's cost apart from
+# streaming the cache, which the KV rate (profile_hardware.measure_attention) prices.
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+FAST_DECODE_BATCHES = (1, 16, 256)
+DECODE_CONTEXT = 16
+
+
+def measure_decode_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
+    """Seconds per call of a decode step's attention at several batch sizes, as the ModelRunner
+    runs it (`attend`): the new K/V written into the paged cache, the kernel called on each
+    sequence's block table (sinks and the first layer's window where the model has them), and
+    the query made contiguous and the output sliced into the step's buffer. On a small model the
+    call costs several times what its cache reads do."""
+    import torch
+
+    from moe_engine.model.attention import DecodeAttention
+
+    dtype = activation_dtype(m)
+    dense = _dense_stub(m, dtype)
+    heads, d_k, d_v = m.kv_cache_layout
+    attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
+    block = 16
+    blocks_per_seq = -(-DECODE_CONTEXT // block)
+    batches = FAST_DECODE_BATCHES if fast else DECODE_BATCHES
+
+    def maker(b: int) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            q = torch.randn(b, m.num_heads, m.head_dim, dtype=dtype)
+            k = torch.randn(b, m.num_kv_heads, m.head_dim, dtype=dtype)
+            v = torch.randn(b, m.num_kv_heads, m.v_head_dim, dtype=dtype)
+            kc = torch.randn(b * blocks_per_seq, heads, block, d_k, dtype=dtype)
+            vc = torch.randn(b * blocks_per_seq, heads, block, d_v, dtype=dtype)
+            tables = torch.arange(b * blocks_per_seq, dtype=torch.int32).reshape(b, blocks_per_seq)
+            lens = torch.full((b,), DECODE_CONTEXT, dtype=torch.int32)
+            slots = torch.arange(b, dtype=torch.int64) * (blocks_per_seq * block) + DECODE_CONTEXT - 1
+
+            def attend() -> None:
+                attention.write_kv(kc, vc, k, v, slots)
+                out = q.new_empty(b, m.num_heads, d_v)
+                out[:] = attention(q.contiguous(), kc, vc, tables, lens, m.attention_scale,
+                                   sinks=dense.sinks, window=m.attention_window(0))
+            return attend
+        return make
+
+    batch, rounds = (0.005, 3) if fast else (0.01, 9)
+    best = interleaved_best_times([maker(b) for b in batches], batch, rounds)
+    return [{"layout": layer_layout(m), "batch": b, "context": DECODE_CONTEXT, "us_per_call": round(sec * 1e6, 3)}
+            for b, sec in zip(batches, best)]
