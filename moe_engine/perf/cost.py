@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from .roofline import (HEAD_OPS, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
                        device_processor, expected_active_experts, expert_ffn_time,
@@ -325,46 +326,49 @@ def head_time(m: ModelSpec, hw: HardwareSpec, n_tokens: int, cpu_backend: bool) 
     return dev.gemm(n_tokens, m.hidden_size, m.vocab_size, m.dtype_bytes) + HEAD_OPS * dev.op_overhead_s
 
 
-def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
-                      cpu_backend: bool) -> StepTimes:
-    """One decode step over all layers: per layer max(T_io, T_cpu, T_gpu) on a GPU machine
+def _over_layers(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, cpu_backend: bool,
+                 layer_times: Callable[[bool], tuple[float, float, float]]) -> tuple[list[float], float, float]:
+    """Sum a step's layers: ([T_io, T_cpu, T_gpu] over all layers, the layers' seconds, disk
+    seconds) from `layer_times(moe_layer)`; per layer max(T_io, T_cpu, T_gpu) on a GPU machine
     (the three overlap), T_cpu + T_gpu on the CPU backend (the same cores do both)."""
     totals = [0.0, 0.0, 0.0]
-    step = t_disk = 0.0
+    seconds = t_disk = 0.0
     for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
         if count == 0:
             continue
-        io, c, g = layer_decode_times(m, hw, policy, n_tokens, ctx, cpu_backend, moe)
-        d = disk_layer_time(m, hw, policy, n_tokens) if moe else 0.0
+        io, c, g = layer_times(moe)
+        d = disk_layer_time(m, hw, policy, tokens) if moe else 0.0
         totals = [totals[0] + count * io, totals[1] + count * c, totals[2] + count * g]
         t_disk += count * d
         # The next layer's disk reads run while this one computes (CGOPipe with the disk as
         # one more link): a layer takes the longer of the two.
-        step += count * (max(c + g, d) if cpu_backend else max(io, c, g, d))
+        seconds += count * (max(c + g, d) if cpu_backend else max(io, c, g, d))
+    return totals, seconds, t_disk
+
+
+def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
+                      cpu_backend: bool) -> StepTimes:
+    """One decode step of `n_tokens` sequences at mean context `ctx` over all layers, plus the LM
+    head and the engine loop."""
+    totals, layers, t_disk = _over_layers(
+        m, hw, policy, n_tokens, cpu_backend,
+        lambda moe: layer_decode_times(m, hw, policy, n_tokens, ctx, cpu_backend, moe))
     head = head_time(m, hw, n_tokens, cpu_backend)
     # The engine loop runs between steps on the host, overlapping nothing (the next step's
     # inputs depend on this step's tokens).
     host = hw.host_step_s + n_tokens * hw.host_seq_cost(m.vocab_size)
-    return StepTimes(totals[0], totals[1], totals[2], head, step + head + host, host, t_disk)
+    return StepTimes(totals[0], totals[1], totals[2], head, layers + head + host, host, t_disk)
 
 
 def engine_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, step: StepBucket,
                       cpu_backend: bool) -> StepTimes:
     """One engine step as the scheduler runs it, prefill and decode tokens together: the layers
-    as in `decode_step_times` over all the step's tokens, the LM head over one row per sequence
-    (a prompt's last token, a decode's new one), and the host loop's per-step, per-sequence and
+    over all the step's tokens (`layer_step_times`), the LM head over one row per sequence (a
+    prompt's last token, a decode's new one), and the engine loop's per-step, per-sequence and
     per-prompt-token work."""
-    totals = [0.0, 0.0, 0.0]
-    layers = t_disk = 0.0
-    tokens = step.prefill_tokens + step.decode_seqs
-    for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
-        if count == 0:
-            continue
-        io, c, g = layer_step_times(m, hw, policy, wl, step, cpu_backend, moe)
-        d = disk_layer_time(m, hw, policy, tokens) if moe else 0.0
-        totals = [totals[0] + count * io, totals[1] + count * c, totals[2] + count * g]
-        t_disk += count * d
-        layers += count * (max(c + g, d) if cpu_backend else max(io, c, g, d))
+    totals, layers, t_disk = _over_layers(
+        m, hw, policy, step.prefill_tokens + step.decode_seqs, cpu_backend,
+        lambda moe: layer_step_times(m, hw, policy, wl, step, cpu_backend, moe))
     seqs = step.decode_seqs + step.prefill_prompts
     head = head_time(m, hw, seqs, cpu_backend)
     host = hw.host_step_s + seqs * hw.host_seq_cost(m.vocab_size) + step.prefill_tokens * hw.host_token_s
