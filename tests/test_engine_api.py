@@ -215,7 +215,7 @@ def test_host_overhead_is_measured_on_the_engine_loop(monkeypatch):
         return real_step(self, start)
 
     monkeypatch.setattr(LLMEngine, "_step", counted)
-    figures = measure_host_overhead(vocab_size=50, prompt=8, batches=(1, 4), steps=3)
+    figures = measure_host_overhead(vocab_size=50, prompt=8, batches=(1, 4), steps=3, repeats=1)
     assert set(figures) == {"host_step_s", "host_seq_s", "host_token_s"}
     assert all(v >= 0 for v in figures.values())
     assert len(steps) == 2 * (1 + 3 + 1)  # per batch size: prefill, the timed steps, the last
