@@ -13,7 +13,7 @@ from moe_engine.engine.scheduler import Scheduler
 from moe_engine.engine.sequence import Sequence
 from moe_engine.perf import Policy, load_preset, predict, workload_spec_from_lengths
 from moe_engine.perf.cost import engine_step_times
-from moe_engine.perf.schedule import StepShape, step_shapes, step_trace
+from moe_engine.perf.schedule import StepBucket, StepShape, step_shapes, step_trace
 from moe_engine.perf.specs import ModelSpec
 from moe_engine.tools.presets import PRESETS, hf_config
 
@@ -72,7 +72,6 @@ def test_a_mixed_step_costs_its_prefill_and_decode_together():
     prompts, gens = [128] * 64, [32] * 64
     wl = workload_spec_from_lengths(prompts, gens)
     pol = Policy(64, 64, False, True, 1.0, prefill_tokens=2048)
-    from moe_engine.perf.schedule import StepBucket
     both = engine_step_times(m, hw, pol, wl, StepBucket(1, 2048, 16, 48, 150.0), True).total
     prefill = engine_step_times(m, hw, pol, wl, StepBucket(1, 2048, 16, 0, 0.0), True).total
     decode = engine_step_times(m, hw, pol, wl, StepBucket(1, 0, 0, 48, 150.0), True).total

@@ -519,25 +519,30 @@ def _bounded_decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Wor
 
 def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> Prediction:
     """Generation throughput (generated tokens / (prefill + decode time), Lightning 5.1) of a
-    policy. With a bounded request count K the batch runs in ceil(K/N) waves of at most N; with
-    per-request generation lengths the decode batch is followed step by step as it drains
-    (`batch_occupancy`)."""
+    policy. A bounded run with every request's prompt length (a shard) is replayed step by step
+    as the scheduler runs it (`_traced_run_time`); with per-request generation lengths alone the
+    prefill passes are followed by the decode batch as it drains (`batch_occupancy`); otherwise a
+    bounded request count K runs in ceil(K/N) waves of at most N."""
     mem = memory_use(m, hw, wl, policy, cpu_backend)
     if wl.prefill_only:
         return _predict_prefill_only(m, hw, wl, policy, cpu_backend, mem)
     if wl.num_requests and len(wl.prompt_lengths) == wl.num_requests:
         prefill, decode, step = _traced_run_time(m, hw, policy, wl, cpu_backend)
-        total = prefill + decode
-        tokens = sum(wl.gen_lengths) if wl.gen_lengths else wl.num_requests * wl.gen_len
-        return Prediction(policy, tokens / total if total > 0 else 0.0, step, prefill, decode, mem,
-                          min(policy.batch_size, wl.num_requests))
-    if wl.gen_lengths:
+    elif wl.gen_lengths:
         prefill = prefill_time(m, hw, policy, wl, wl.num_requests, cpu_backend)
         decode, step = _bounded_decode_time(m, hw, policy, wl, cpu_backend)
-        total = prefill + decode
-        tokens = sum(wl.gen_lengths)
-        return Prediction(policy, tokens / total if total > 0 else 0.0, step, prefill, decode, mem,
-                          min(policy.batch_size, wl.num_requests))
+    else:
+        return _predict_waves(m, hw, wl, policy, cpu_backend, mem)
+    total = prefill + decode
+    tokens = sum(wl.gen_lengths) if wl.gen_lengths else wl.num_requests * wl.gen_len
+    return Prediction(policy, tokens / total if total > 0 else 0.0, step, prefill, decode, mem,
+                      min(policy.batch_size, wl.num_requests))
+
+
+def _predict_waves(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool,
+                   mem: MemoryUse) -> Prediction:
+    """One generation length for all: ceil(K/N) waves of at most N sequences (one wave of N in
+    steady state, K = 0), each prefilled in passes, then decoded g - 1 steps."""
     n = policy.batch_size
     k = wl.num_requests
     waves = [(n, k // n), (k % n, 1)] if k else [(n, 1)]

@@ -193,8 +193,8 @@ def gemm_shapes(m: ModelSpec) -> list[tuple[int, int]]:
 
 
 def layer_ops_profiled(m: ModelSpec) -> bool:
-    """Whether the profiler times the model's element-wise layer work and prefill attention
-    (`layer_layout` points): not for MLA, whose latent projections are per-head GEMMs the
+    """Whether the profiler times the model's element-wise layer work and prefill and decode
+    attention (`layer_layout` points, LAYOUT_KEYS): not for MLA, whose latent projections are per-head GEMMs the
     model counts by themselves; its layers keep the launch counts."""
     return m.mla is None
 
@@ -225,8 +225,8 @@ def gemms_covered(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
 
 
 def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
-    """Whether a profile has every figure the models need: `gemms_covered`, and the element-wise
-    and prefill-attention times of each model's layer layout."""
+    """Whether a profile has every figure the models need: `gemms_covered`, and every kind of
+    per-layout point (LAYOUT_KEYS) of each model's layer layout."""
     return gemms_covered(data, models) and not layouts_missing(data, models)
 
 

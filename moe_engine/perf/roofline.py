@@ -112,7 +112,8 @@ def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> floa
 @dataclass(frozen=True)
 class Processor:
     """One compute unit as the roofline sees it, with what was profiled on it: GEMM rates per
-    shape, a layer's element-wise work and prefill attention per layer layout."""
+    shape, a layer's element-wise work and prefill attention per layer layout (decode attention
+    runs on the CPU only: `cpu_attention_time` reads the spec's points)."""
 
     flops: float
     bw: float
@@ -138,7 +139,7 @@ class Processor:
         """Profiled (prompt length, seconds per prompt) of `m`'s layout, None if absent."""
         if not self.prefill_attention_points:
             return None
-        return _prefill_attention_curve(self.prefill_attention_points, layer_layout(m))
+        return _layout_curve(self.prefill_attention_points, layer_layout(m))
 
 
 def device_processor(hw: HardwareSpec) -> Processor:
@@ -167,16 +168,11 @@ def _layer_ops_curves(points: tuple[LayerOpsPoint, ...], layout: str
 
 
 @lru_cache(maxsize=256)
-def _prefill_attention_curve(points: tuple[PrefillAttentionPoint, ...], layout: str
-                             ) -> tuple[tuple[int, float], ...] | None:
-    rows = tuple(sorted((p.prompt, p.seconds) for p in points if p.layout == layout))
-    return rows or None
-
-
-@lru_cache(maxsize=256)
-def _decode_attention_curve(points: tuple[DecodeAttentionPoint, ...], layout: str
-                            ) -> tuple[tuple[int, float], ...] | None:
-    rows = tuple(sorted((p.batch, p.seconds) for p in points if p.layout == layout))
+def _layout_curve(points: tuple[PrefillAttentionPoint, ...] | tuple[DecodeAttentionPoint, ...], layout: str
+                  ) -> tuple[tuple[int, float], ...] | None:
+    """(size, seconds) of one layout's attention points, by size (a prefill's prompt length, a
+    decode call's batch), None if the layout has none."""
+    rows = tuple(sorted((p.size, p.seconds) for p in points if p.layout == layout))
     return rows or None
 
 
@@ -277,8 +273,7 @@ def cpu_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float) ->
     its reads), else its operator launches."""
     c = decode_attention_cost(m, mu, ctx)
     bw = hw.cpu_attention_bw or hw.cpu_bw
-    curve = (_decode_attention_curve(hw.decode_attention_points, layer_layout(m))
-             if hw.decode_attention_points else None)
+    curve = _layout_curve(hw.decode_attention_points, layer_layout(m)) if hw.decode_attention_points else None
     call = _interp_time(curve, mu) if curve is not None else _ATTN_OPS * hw.op_overhead_s
     return roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + call
 

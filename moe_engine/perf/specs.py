@@ -51,6 +51,10 @@ class PrefillAttentionPoint:
     prompt: int
     seconds: float
 
+    @property
+    def size(self) -> int:
+        return self.prompt
+
 
 @dataclass(frozen=True)
 class DecodeAttentionPoint:
@@ -61,9 +65,13 @@ class DecodeAttentionPoint:
     batch: int
     seconds: float
 
+    @property
+    def size(self) -> int:
+        return self.batch
+
 
 def layer_layout(m: ModelSpec) -> str:
-    """What decides a layer's element-wise and prefill-attention work, as the key of its
+    """What decides a layer's element-wise and attention work, as the key of its
     profiled points: widths, heads, experts, the weights' dtype and the architecture's
     variants of norm, RoPE, attention and routing. Checkpoints of one layout share points."""
     parts = [f"h{m.hidden_size}", f"q{m.num_heads}x{m.head_dim}", f"kv{m.num_kv_heads}x{m.v_head_dim}",
@@ -107,10 +115,6 @@ class HardwareSpec:
     host_seq_s: float = 0.0
     host_token_s: float = 0.0
     host_logit_s: float = 0.0
-
-    def host_seq_cost(self, vocab_size: int) -> float:
-        """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
-        return self.host_seq_s + vocab_size * self.host_logit_s
     # Sequential O_DIRECT read bandwidth of the disk holding the experts (the disk tier's link).
     disk_bw: float = 2.0e9
     # Profiled element-wise work per layer, prefill attention per prompt and decode attention
@@ -123,6 +127,10 @@ class HardwareSpec:
     @property
     def is_cpu_only(self) -> bool:
         return self.device_kind == "cpu"
+
+    def host_seq_cost(self, vocab_size: int) -> float:
+        """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
+        return self.host_seq_s + vocab_size * self.host_logit_s
 
     def with_host_memory(self, host_memory: float) -> "HardwareSpec":
         from dataclasses import replace

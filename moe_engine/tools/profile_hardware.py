@@ -166,17 +166,18 @@ def measure_op_overhead(hidden: int = 1024, dtype_bytes: int = 4) -> float:
     return median_time(norm, 0.02, 5) / 8
 
 
-def measure_host_overhead(vocab_size: int, evict_bytes: int = 1 << 62, block_size: int = 16, prompt: int = 64,
+def measure_host_overhead(vocab_size: int, evict_bytes: Optional[int] = None, block_size: int = 16, prompt: int = 64,
                           batches: tuple[int, int] = (1, 128), steps: int = 24, repeats: int = 3) -> dict[str, float]:
     """Host-side seconds the engine loop spends per step outside the model: scheduling, packing
     the step's inputs, sampling (argmax over the vocabulary), appending the tokens and the
     step's bookkeeping. Measured by running the engine's own loop (`LLMEngine.around`) on a
     runner that returns logits at once, at two decode batch sizes, and split into a per-step
     and a per-sequence part; a prefill pass costs per prompt token (`host_token_s`). Small
-    models on a CPU spend a fifth of a step here. Each model call first streams a buffer twice
-    the last-level cache, outside the timed intervals: a real forward pass evicts the loop's
-    sequences, block tables and logits, and the loop runs about twice as long per step from
-    memory as from a warm cache (tiny-mixtral's default run: ~150 us a step, not ~75)."""
+    models on a CPU spend a fifth of a step here. Each model call first streams `evict_bytes`
+    (at most, and by default, twice the last-level cache), outside the timed intervals: a real
+    forward pass evicts the loop's sequences, block tables and logits, and the loop runs about
+    twice as long per step from memory as from a warm cache (tiny-mixtral's default run: ~150 us
+    a step, not ~75). Each figure is the median over `repeats` runs of each batch size."""
     import torch
 
     from moe_engine.config import EngineConfig
@@ -218,9 +219,10 @@ def measure_host_overhead(vocab_size: int, evict_bytes: int = 1 << 62, block_siz
         prefill = calls[1] - t0 - (returns[0] - calls[0])
         return prefill, statistics.median(b - a for a, b in zip(returns[1:], calls[2:]))
 
-    evict = torch.zeros(max(1 << 20, min(evict_bytes, 2 * last_level_cache_bytes())) // 4)
-    # Each size three times in turn, the median of each figure: one run's median step moved by
-    # 2x from one run to the next on the shared VM.
+    llc_twice = 2 * last_level_cache_bytes()
+    evict = torch.zeros(max(1 << 20, min(evict_bytes or llc_twice, llc_twice)) // 4)
+    # Each size in turn, the median of each figure: one run's median step moved by 2x from one
+    # run to the next on the shared VM.
     runs = [(run(batches[0]), run(batches[1])) for _ in range(repeats)]
     small = statistics.median(r[0][1] for r in runs)
     prefill, large = (statistics.median(r[1][i] for r in runs) for i in (0, 1))

@@ -3,8 +3,9 @@
 The GEMMs are timed per weight shape (profile_hardware.measure_gemms). What runs around them
 was a count of operator launches, which is right for a decode step of a few tokens and wrong for
 a prefill pass of ~2000: there each norm, RoPE, residual add and the router's softmax/top-k is a
-pass over [tokens, hidden], and prefill attention is a causal SDPA call and its slicing per
-prompt (docs/benchmarks.md, "Default run"). Both are measured here, each at several sizes, by
+pass over [tokens, hidden], prefill attention is a causal SDPA call and its slicing per prompt
+(docs/benchmarks.md, "Default run"), and a decode step's attention call costs several times its
+cache reads on a small model. All three are measured here, each at several sizes, by
 calling the functions the engine's ModelRunner calls (model/layers.py, model/attention.py) on
 tensors of the model's layout, in the activations' dtype the engine would use. Each figure is
 the fastest of batches taken in turn with the others' over the whole measurement
@@ -24,6 +25,12 @@ PROMPT_LENGTHS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024
 FAST_PROMPT_LENGTHS = (16, 128, 512)
 # Tokens of one timed prefill-attention call: a pass of the engine's default token budget.
 PASS_TOKENS = 2048
+
+
+def _best_times(makers: list[Callable[[], Callable[[], None]]], fast: bool) -> list[float]:
+    """`interleaved_best_times` with the mode's batch length and rounds."""
+    batch, rounds = (0.005, 3) if fast else (0.01, 9)
+    return interleaved_best_times(makers, batch, rounds)
 
 
 def activation_dtype(m: ModelSpec):
@@ -102,8 +109,7 @@ def measure_layer_ops(m: ModelSpec, tokens: tuple[int, ...], fast: bool) -> list
         return make
 
     makers = [maker(n) for n in tokens for maker in (pre_maker, post_maker)]
-    batch, rounds = (0.005, 3) if fast else (0.01, 9)
-    best = interleaved_best_times(makers, batch, rounds)
+    best = _best_times(makers, fast)
     return [{"layout": layer_layout(m), "tokens": n, "pre_attention_us": round(best[2 * i] * 1e6, 3),
              "post_attention_us": round(best[2 * i + 1] * 1e6, 3)} for i, n in enumerate(tokens)]
 
@@ -144,8 +150,7 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
             return attend
         return make
 
-    batch, rounds = (0.005, 3) if fast else (0.01, 9)
-    best = interleaved_best_times([maker(p) for p in lengths], batch, rounds)
+    best = _best_times([maker(p) for p in lengths], fast)
     return [{"layout": layer_layout(m), "prompt": p,
              "us_per_prompt": round(sec / max(1, PASS_TOKENS // p) * 1e6, 3)}
             for p, sec in zip(lengths, best)]
@@ -196,7 +201,6 @@ def measure_decode_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
             return attend
         return make
 
-    batch, rounds = (0.005, 3) if fast else (0.01, 9)
-    best = interleaved_best_times([maker(b) for b in batches], batch, rounds)
+    best = _best_times([maker(b) for b in batches], fast)
     return [{"layout": layer_layout(m), "batch": b, "context": DECODE_CONTEXT, "us_per_call": round(sec * 1e6, 3)}
             for b, sec in zip(batches, best)]
