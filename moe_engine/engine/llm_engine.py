@@ -17,6 +17,7 @@ import torch
 from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.engine.block_manager import BlockAllocator, WindowPool
 from moe_engine.engine.calibrate import find_or_record_routing, record_bundled_routing
+from moe_engine.host_alloc import tune_host_allocator
 from moe_engine.engine.memory import rss_bytes
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.engine.request import Request, RequestResult, stable_seed
@@ -92,6 +93,9 @@ class LLMEngine:
         rss_after = rss_bytes()
         loaded_rss = (rss_after - rss_before) if None not in (rss_before, rss_after) else 0
         self.loaded_bytes = max(self.weights_bytes, loaded_rss)
+        # From here on the steps' activations reuse freed heap pages (host_alloc: ~10% of a
+        # small model's step time went to faulting them in again); loading kept the defaults.
+        self.host_allocator = tune_host_allocator()
         num_blocks, window_blocks = kv_pool_blocks(self.spec, kv_dtype, config.kv_cache_gb,
                                                    config.block_size, config.max_num_seqs)
         cache = KVCache.allocate(self.spec, num_blocks, config.block_size, kv_dtype,
@@ -133,6 +137,7 @@ class LLMEngine:
         engine = cls.__new__(cls)
         engine.spec = None
         engine.threads = config.threads or torch.get_num_threads()
+        engine.host_allocator = tune_host_allocator()
         engine._init_loop(runner, config, num_blocks, vocab_size, max_model_len, eos_token_ids,
                           tokenizer)
         return engine
@@ -202,7 +207,8 @@ class LLMEngine:
         self.stats = EngineStats(kv_blocks_total=self.allocator.num_blocks,
                                  kv_block_size=self.allocator.block_size,
                                  gemm_path=self.gemm_path,
-                                 attention_path=self.attention_path if self.spec else "")
+                                 attention_path=self.attention_path if self.spec else "",
+                                 host_allocator=self.host_allocator)
         self.runner.times = type(self.runner.times)()
         offload_before = replace(self.offload.totals) if self.offload is not None else None
         start = time.perf_counter()

@@ -39,6 +39,7 @@ class EngineStats:
     # What ran: the GEMM path (packed kernels and their ISA, or torch) and decode attention.
     gemm_path: str = ""
     attention_path: str = ""
+    host_allocator: str = ""  # moe_engine/host_alloc.py: the malloc serving the steps' activations
     timeline: list[tuple[float, int]] = field(default_factory=list)
     max_timeline_points: int = 512
     _timeline_stride: int = 1

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from moe_engine.host_alloc import allocator_fingerprint
 from .specs import (GB, TFLOPS, DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
                     layer_layout)
 
@@ -131,6 +132,9 @@ def machine_fingerprint() -> str:
     parts.append(f"cython={cython_kernel_built()}")
     # GEMM rates are measured on the packed kernels when they are built (the engine's default)
     parts.append(f"packed={kernel_built(PACKED_KERNEL_NAME)}")
+    # The engine's steps run under a tuned malloc (moe_engine/host_alloc.py); small steps' times
+    # depend on it, so a profile measured under other settings is not reused.
+    parts.append(f"malloc={allocator_fingerprint()}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 

@@ -111,6 +111,7 @@ def summarize(merged: pl.DataFrame, shards: list[ShardSummary], policy: dict | N
         "preemptions": sum(int(s.engine.get("preemptions", 0)) for s in shards),
         "offload": _offload_totals(shards),
         "kernels": sorted({f"GEMM: {s.engine['gemm_path']}; attention: {s.engine['attention_path']}"
+                           + (f"; malloc: {s.engine['host_allocator']}" if s.engine.get("host_allocator") else "")
                            for s in shards if s.engine.get("gemm_path")}),
         "shards": [{"shard": s.shard, "rows": s.rows, "generated_rows": s.generated_rows,
                     "resumed_rows": s.resumed_rows, "completion_tokens": s.completion_tokens,

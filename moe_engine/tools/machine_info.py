@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from moe_engine.host_alloc import tune_host_allocator
 # CPU flags (as /proc/cpuinfo spells them) that decide which kernel paths can run.
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                   "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
@@ -51,12 +52,16 @@ def kernel_paths() -> dict[str, str]:
 
 
 def header(threads: int) -> str:
-    """One line for the top of every benchmark's output."""
+    """One line for the top of every benchmark's output. It also applies the engine's malloc
+    settings (moe_engine/host_alloc.py) first, so the baselines a benchmark times beside the engine
+    run under the same allocator whichever is built first."""
+    allocator = tune_host_allocator()
     paths = kernel_paths()
     return (f"# {cpu_model()} [{' '.join(cpu_flags()) or 'no AVX2'}], {os.cpu_count()} cpus, "
             f"threads={threads}, packed ISA {paths['packed_isa']} (supported: "
             f"{paths['packed_isas_supported']}), attention kernel {paths['attention_kernel']}, "
-            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+            f"malloc {allocator}, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 
 def read_bandwidth_gbps(threads: int, mib: int = 1024, repeats: int = 5) -> float:

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
+from moe_engine.host_alloc import tune_host_allocator
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
@@ -303,8 +304,9 @@ def profile_machine(models: list[ModelSpec], fast: bool = False, threads: int = 
     `threads` (0 = all usable cores) must match the engine's `engine.threads`: the rates are
     those of that many cores."""
     t_start = time.perf_counter()
+    allocator = tune_host_allocator()  # as the engine runs its steps
     with _threads(threads) as cores:
-        return _profile(models, fast, cores, t_start)
+        return {**_profile(models, fast, cores, t_start), "host_allocator": allocator}
 
 
 @contextlib.contextmanager
@@ -381,6 +383,7 @@ def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool)
     from moe_engine.tools.profile_layer_ops import (measure_decode_attention, measure_layer_ops,
                                                     measure_prefill_attention)
 
+    tune_host_allocator()  # as the engine runs its steps
     rows: dict[str, list[dict[str, Any]]] = {key: [] for key in LAYOUT_KEYS}
     seen = set()
     for m in models:
