@@ -151,7 +151,8 @@ def test_policy_stage_with_the_machine_profile_cached_loads_no_torch(sharded, ti
             "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0,
                            "post_attention_us": 1.0}],
             "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
-            "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}]}
+            "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
+            "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}
     assert profile_covers(data, [model])
     path.write_text(yaml.safe_dump(data))
     out = tmp / "auto-policy.json"

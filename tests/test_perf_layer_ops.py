@@ -41,6 +41,9 @@ def test_layer_layout_ignores_the_name_and_separates_what_changes_the_work():
     assert layer_layout(TINY) != layer_layout(dataclasses.replace(TINY, qk_norm="head"))
     assert layer_layout(TINY) != layer_layout(dataclasses.replace(TINY, router_scoring="sigmoid"))
     assert layer_layout(TINY) != layer_layout(dataclasses.replace(TINY, torch_dtype="bfloat16"))
+    # the routed experts' call (moe_ffn points) depends on their width and storage too
+    assert layer_layout(TINY) != layer_layout(_spec("tiny-mixtral", intermediate_size=512))
+    assert layer_layout(TINY) != layer_layout(TINY.with_expert_storage("int8"))
 
 
 def test_profiled_element_wise_time_replaces_the_launch_count_of_its_layout():
@@ -136,6 +139,7 @@ def test_profile_yaml_rows_become_points():
                "layer_ops": [{"layout": "L", "tokens": 8, "pre_attention_us": 3.0, "post_attention_us": 2.0}],
                "prefill_attention": [{"layout": "L", "prompt": 64, "us_per_prompt": 40.0}],
                "decode_attention": [{"layout": "L", "batch": 16, "context": 16, "us_per_call": 50.0}],
+               "moe_ffn": [{"layout": "L", "tokens": 8, "us_per_call": 70.0}],
                "host_seq_us": 4.0, "host_logit_ns": 0.5}
     hw = spec_from_figures(figures)
     (ops,), (attention,) = hw.layer_ops_points, hw.prefill_attention_points
@@ -144,6 +148,36 @@ def test_profile_yaml_rows_become_points():
     assert (attention.layout, attention.prompt, attention.seconds) == ("L", 64, pytest.approx(40e-6))
     (decode,) = hw.decode_attention_points
     assert (decode.layout, decode.batch, decode.seconds) == ("L", 16, pytest.approx(50e-6))
+    (experts,) = hw.moe_ffn_points
+    assert (experts.layout, experts.tokens, experts.seconds) == ("L", 8, pytest.approx(70e-6))
     assert hw.host_seq_cost(1000) == pytest.approx(4e-6 + 1000 * 0.5e-9)
     assert spec_from_figures({k: v for k, v in figures.items()
                               if k not in ("layer_ops", "prefill_attention")}).layer_ops_points == ()
+
+
+def test_profiled_expert_call_replaces_the_per_expert_gemms_of_its_layout():
+    """The routed experts of a profiled layout cost the fused call read off its curve at the
+    micro-batch's tokens (a shared expert's GEMMs still added); elsewhere, and on an
+    accelerator, each touched expert is priced as its own GEMMs."""
+    from moe_engine.perf.roofline import expert_ffn_time
+    from moe_engine.perf.specs import MoeFfnPoint
+
+    layout = layer_layout(TINY)
+    points = tuple(MoeFfnPoint(layout, n, 30e-6 + 2e-6 * n) for n in (1, 8, 64, 512))
+    bare, profiled = cpu_processor(_cpu()), cpu_processor(_cpu(moe_ffn_points=points))
+    for n in (1, 5, 64, 300):
+        assert expert_ffn_time(TINY, profiled, n) == pytest.approx(30e-6 + 2e-6 * n)
+        assert expert_ffn_time(TINY, bare, n) != pytest.approx(30e-6 + 2e-6 * n)
+    elsewhere = cpu_processor(_cpu(moe_ffn_points=tuple(MoeFfnPoint("another", 8, 1.0) for _ in (0,))))
+    assert expert_ffn_time(TINY, elsewhere, 8) == expert_ffn_time(TINY, bare, 8)
+    gpu = dataclasses.replace(load_preset("l4"), moe_ffn_points=points)
+    assert device_processor(gpu).routed_experts(TINY, 8) is None
+    assert cpu_processor(gpu).routed_experts(TINY, 8) == pytest.approx(46e-6)
+    shared = _spec("tiny-qwen2-moe")
+    shared_points = tuple(MoeFfnPoint(layer_layout(shared), n, 1e-6 * n) for n in (1, 64))
+    with_points = cpu_processor(_cpu(moe_ffn_points=shared_points))
+    # routed from the curve, the shared expert's two GEMMs on top (priced as before)
+    from moe_engine.perf.roofline import _swiglu_time
+    assert expert_ffn_time(shared, with_points, 32) == pytest.approx(
+        32e-6 + _swiglu_time(with_points, 32, shared.hidden_size, shared.shared_expert_intermediate_size,
+                             shared.dtype_bytes))

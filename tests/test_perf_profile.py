@@ -140,10 +140,14 @@ def test_profile_times_the_layer_layouts_element_wise_work_and_prefill_attention
     decode = [r for r in data["decode_attention"] if r["layout"] == layout]
     assert sorted(r["batch"] for r in decode) == sorted(FAST_DECODE_BATCHES)
     assert all(r["us_per_call"] > 0 for r in decode)
+    experts = [r for r in data["moe_ffn"] if r["layout"] == layout]
+    assert sorted(r["tokens"] for r in experts) == sorted(FAST_TOKENS)
+    assert all(r["us_per_call"] > 0 for r in experts)
     spec = spec_from_figures(data)
     assert len(spec.layer_ops_points) == len(data["layer_ops"])
     assert len(spec.prefill_attention_points) == len(data["prefill_attention"])
     assert len(spec.decode_attention_points) == len(data["decode_attention"])
+    assert len(spec.moe_ffn_points) == len(data["moe_ffn"])
     # The engine loop's per-sequence cost is split into a fixed part and one per logit.
     assert data["host_logit_ns"] >= 0 and spec.host_seq_cost(32000) >= spec.host_seq_cost(1024)
 
@@ -151,7 +155,7 @@ def test_profile_times_the_layer_layouts_element_wise_work_and_prefill_attention
 def test_profile_from_before_layer_ops_gains_them_and_keeps_its_gemms(tiny, tiny_profile, tmp_path):
     """An old profile (GEMMs, no layer-layout points) is extended with the model's layout alone:
     its GEMM rates are not measured again, and a second model of the same layout adds nothing."""
-    from moe_engine.perf.hardware import profile_covers
+    from moe_engine.perf.hardware import LAYOUT_KEYS, profile_covers
 
     _, data = tiny_profile
     old = {k: v for k, v in data.items() if k not in ("layer_ops", "prefill_attention")}
@@ -164,12 +168,12 @@ def test_profile_from_before_layer_ops_gains_them_and_keeps_its_gemms(tiny, tiny
     assert len(again["layer_ops"]) == len(data["layer_ops"])
     # A profile from before decode attention was profiled per call gains it, and the layout's
     # other rows are replaced by the new measurement's, not added to.
-    older = {k: v for k, v in again.items() if k != "decode_attention"}
+    older = {k: v for k, v in again.items() if k not in ("decode_attention", "moe_ffn")}
     path.write_text(yaml.safe_dump(older))
     assert not profile_covers(older, [tiny])
     newer = ensure_profile(path, model=tiny, fast=True)
     assert profile_covers(newer, [tiny]) and newer["gemm"] == data["gemm"]
-    for key in ("layer_ops", "prefill_attention", "decode_attention"):
+    for key in LAYOUT_KEYS:
         assert len(newer[key]) == len(data[key]), key
     renamed = ModelSpec.from_hf_config(hf_config_of("tiny-mixtral"), name="another-checkpoint")
     before = path.stat().st_mtime_ns
@@ -191,13 +195,16 @@ def test_layer_ops_are_timed_on_every_family_the_engine_runs(preset):
     functions in the profiler; MLA's layouts are left to the launch counts."""
     from moe_engine.perf.hardware import layer_ops_profiled
     from moe_engine.perf.specs import layer_layout
-    from moe_engine.tools.profile_layer_ops import measure_layer_ops, measure_prefill_attention
+    from moe_engine.tools.profile_layer_ops import (measure_layer_ops, measure_moe_ffn,
+                                                    measure_prefill_attention)
 
     m = ModelSpec.from_hf_config(hf_config_of(preset))
     assert layer_ops_profiled(m)
     ops = measure_layer_ops(m, (1, 16), fast=True)
     attention = measure_prefill_attention(m, fast=True)
-    assert {r["layout"] for r in ops + attention} == {layer_layout(m)}
+    experts = measure_moe_ffn(m, (1, 16), fast=True, cache_bytes=1 << 20)
+    assert {r["layout"] for r in ops + attention + experts} == {layer_layout(m)}
     assert all(r["pre_attention_us"] > 0 and r["post_attention_us"] > 0 for r in ops)
     assert all(r["us_per_prompt"] > 0 for r in attention)
+    assert [r["tokens"] for r in experts] == [1, 16] and all(r["us_per_call"] > 0 for r in experts)
     assert not layer_ops_profiled(ModelSpec.from_hf_config(hf_config_of("tiny-deepseek-v3")))

@@ -49,7 +49,8 @@ def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):
         **_gemm_profile(model),
         "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0, "post_attention_us": 1.0}],
         "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
-        "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}]}))
+        "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
+        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}))
     monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
     monkeypatch.setattr(stage, "subprocess", None)  # any measuring would fail
     stage.ensure_machine_profile(model, model_dir, "auto")

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from moe_engine.host_alloc import allocator_fingerprint
-from .specs import (GB, TFLOPS, DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
+from .specs import (GB, TFLOPS, DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
                     layer_layout)
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
@@ -40,7 +40,7 @@ DEFAULT_DISK_READ_GBPS = 2.0
 def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
     keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us, host_*_us, layer_ops,
-    prefill_attention, decode_attention) are read when present."""
+    prefill_attention, decode_attention, moe_ffn) are read when present."""
     device = fig.get("device", "cpu")
     device = getattr(device, "value", device)
     return HardwareSpec(
@@ -66,6 +66,9 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         decode_attention_points=tuple(
             DecodeAttentionPoint(str(r["layout"]), int(r["batch"]), float(r["us_per_call"]) * 1e-6)
             for r in fig.get("decode_attention") or ()),
+        moe_ffn_points=tuple(
+            MoeFfnPoint(str(r["layout"]), int(r["tokens"]), float(r["us_per_call"]) * 1e-6)
+            for r in fig.get("moe_ffn") or ()),
         notes=str(fig.get("attention_kernel", "")),
     )
 
@@ -204,7 +207,7 @@ def layer_ops_profiled(m: ModelSpec) -> bool:
 
 
 # The per-layout figures of a profile, measured together (profile_hardware.measure_layers).
-LAYOUT_KEYS = ("layer_ops", "prefill_attention", "decode_attention")
+LAYOUT_KEYS = ("layer_ops", "prefill_attention", "decode_attention", "moe_ffn")
 
 
 def layouts_profiled(data: Mapping[str, Any]) -> set[str]:

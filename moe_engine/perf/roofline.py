@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .specs import (DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, PrefillAttentionPoint,
+from .specs import (DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
                     WorkloadSpec, layer_layout)
 
 
@@ -112,8 +112,9 @@ def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> floa
 @dataclass(frozen=True)
 class Processor:
     """One compute unit as the roofline sees it, with what was profiled on it: GEMM rates per
-    shape, a layer's element-wise work and prefill attention per layer layout (decode attention
-    runs on the CPU only: `cpu_attention_time` reads the spec's points)."""
+    shape, a layer's element-wise work, prefill attention and routed-expert calls per layer
+    layout (decode attention runs on the CPU only: `cpu_attention_time` reads the spec's
+    points)."""
 
     flops: float
     bw: float
@@ -121,6 +122,7 @@ class Processor:
     op_overhead_s: float = 0.0
     layer_ops_points: tuple[LayerOpsPoint, ...] = ()
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
+    moe_ffn_points: tuple[MoeFfnPoint, ...] = ()
 
     def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
         return gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw, self.gemm_points)
@@ -135,6 +137,14 @@ class Processor:
             return None
         return _interp_time(curves[0], tokens), _interp_time(curves[1], tokens)
 
+    def routed_experts(self, m: ModelSpec, tokens: float) -> float | None:
+        """Profiled seconds of one call of `m`'s routed experts over `tokens` tokens (the fused
+        kernel, all experts at once), None when its layout was not profiled here."""
+        if not self.moe_ffn_points or tokens <= 0:
+            return None
+        curve = _layout_curve(self.moe_ffn_points, layer_layout(m))
+        return None if curve is None else _interp_time(curve, tokens)
+
     def prefill_attention_curve(self, m: ModelSpec) -> tuple[tuple[int, float], ...] | None:
         """Profiled (prompt length, seconds per prompt) of `m`'s layout, None if absent."""
         if not self.prefill_attention_points:
@@ -148,13 +158,14 @@ def device_processor(hw: HardwareSpec) -> Processor:
     cpu_only = hw.is_cpu_only
     return Processor(hw.device_flops, hw.device_bw, hw.gemm_points, hw.op_overhead_s,
                      hw.layer_ops_points if cpu_only else (),
-                     hw.prefill_attention_points if cpu_only else ())
+                     hw.prefill_attention_points if cpu_only else (),
+                     hw.moe_ffn_points if cpu_only else ())
 
 
 def cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
     return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,
-                     hw.prefill_attention_points)
+                     hw.prefill_attention_points, hw.moe_ffn_points)
 
 
 @lru_cache(maxsize=256)
@@ -168,10 +179,11 @@ def _layer_ops_curves(points: tuple[LayerOpsPoint, ...], layout: str
 
 
 @lru_cache(maxsize=256)
-def _layout_curve(points: tuple[PrefillAttentionPoint, ...] | tuple[DecodeAttentionPoint, ...], layout: str
+def _layout_curve(points: tuple[PrefillAttentionPoint, ...] | tuple[DecodeAttentionPoint, ...]
+                  | tuple[MoeFfnPoint, ...], layout: str
                   ) -> tuple[tuple[int, float], ...] | None:
-    """(size, seconds) of one layout's attention points, by size (a prefill's prompt length, a
-    decode call's batch), None if the layout has none."""
+    """(size, seconds) of one layout's points, by size (a prefill's prompt length, a decode
+    call's batch, an expert call's tokens), None if the layout has none."""
     rows = tuple(sorted((p.size, p.seconds) for p in points if p.layout == layout))
     return rows or None
 
@@ -231,15 +243,20 @@ def o_proj_router_time(m: ModelSpec, proc: Processor, mu: float) -> float:
 
 
 def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
-    """Routed experts (+ shared experts) of one MoE layer for `mu` tokens: each touched expert
-    reads its weights once and runs gate/up/down on its share of the tokens."""
-    active = expected_active_experts(mu, m.num_experts, m.top_k)
-    per_expert = mu * m.top_k / active if active else 0.0
-    # Quantized experts (MXFP4, int8/int4) read their storage's bytes per weight (fractional:
-    # no profiled GEMM curve is keyed by it, so the roofline prices them).
-    width = m.expert_bytes / m.expert_params if m.expert_storage else m.dtype_bytes
-    t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.intermediate_size, width)
-                  + _OPS_PER_EXPERT * proc.op_overhead_s)
+    """Routed experts (+ shared experts) of one MoE layer for `mu` tokens: the profiled call of
+    the layout's experts where there is one (the fused kernel runs them all in one parallel
+    region: at a few tokens a step that costs half of pricing each expert as its own GEMM
+    calls), else each touched expert reads its weights once and runs gate/up/down on its share
+    of the tokens."""
+    t = proc.routed_experts(m, mu)
+    if t is None:
+        active = expected_active_experts(mu, m.num_experts, m.top_k)
+        per_expert = mu * m.top_k / active if active else 0.0
+        # Quantized experts (MXFP4, int8/int4) read their storage's bytes per weight (fractional:
+        # no profiled GEMM curve is keyed by it, so the roofline prices them).
+        width = m.expert_bytes / m.expert_params if m.expert_storage else m.dtype_bytes
+        t = active * (_swiglu_time(proc, per_expert, m.hidden_size, m.intermediate_size, width)
+                      + _OPS_PER_EXPERT * proc.op_overhead_s)
     if m.shared_expert_intermediate_size:
         t += _swiglu_time(proc, mu, m.hidden_size, m.shared_expert_intermediate_size, m.dtype_bytes)
     return t

@@ -15,7 +15,7 @@ from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError, dtype_by
 TFLOPS = 1e12
 
 __all__ = ["GB", "TFLOPS", "ModelSpec", "UnsupportedModelError", "dtype_bytes_of", "GemmPoint", "HardwareSpec",
-           "LayerOpsPoint", "PrefillAttentionPoint", "DecodeAttentionPoint", "WorkloadSpec", "layer_layout",
+           "LayerOpsPoint", "PrefillAttentionPoint", "DecodeAttentionPoint", "MoeFfnPoint", "WorkloadSpec", "layer_layout",
            "workload_spec_from_lengths", "blocks_for"]
 
 
@@ -70,18 +70,36 @@ class DecodeAttentionPoint:
         return self.batch
 
 
+@dataclass(frozen=True)
+class MoeFfnPoint:
+    """Seconds per call of a MoE layer's routed experts over `tokens` tokens (uniform routing),
+    as the engine runs them: one call of the fused expert kernel, every expert's gate|up, GLU,
+    down and weighted sum in one parallel region; its weights read from DRAM unless the model
+    fits the cache."""
+
+    layout: str
+    tokens: int
+    seconds: float
+
+    @property
+    def size(self) -> int:
+        return self.tokens
+
+
 def layer_layout(m: ModelSpec) -> str:
     """What decides a layer's element-wise and attention work, as the key of its
     profiled points: widths, heads, experts, the weights' dtype and the architecture's
     variants of norm, RoPE, attention and routing. Checkpoints of one layout share points."""
     parts = [f"h{m.hidden_size}", f"q{m.num_heads}x{m.head_dim}", f"kv{m.num_kv_heads}x{m.v_head_dim}",
-             f"e{m.num_experts}k{m.top_k}", f"b{m.dtype_bytes}", f"rot{m.rotary_dim}",
+             f"e{m.num_experts}k{m.top_k}i{m.intermediate_size}", f"b{m.dtype_bytes}", f"rot{m.rotary_dim}",
              f"{m.router_scoring}g{m.router_groups}"]
     flags = {"qk": m.qk_norm, "clip": m.clip_qkv is not None, "il": m.rope_interleave,
              "bias": m.router_score_correction, "l2": m.qk_l2_norm,
              "inscaled": m.router_scales_input,
              "sinks": m.attention_sinks, "win": m.attention_window(0) is not None}
     parts += [k if v is True else f"{k}{v}" for k, v in flags.items() if v]
+    if m.expert_storage:  # experts held quantized (MXFP4, int8, int4): another kernel path
+        parts.append(f"x{m.expert_storage}")
     return "-".join(parts)
 
 
@@ -117,11 +135,13 @@ class HardwareSpec:
     host_logit_s: float = 0.0
     # Sequential O_DIRECT read bandwidth of the disk holding the experts (the disk tier's link).
     disk_bw: float = 2.0e9
-    # Profiled element-wise work per layer, prefill attention per prompt and decode attention
-    # per call, per layer layout (the CPU's: the profiler times them on the engine's CPU code).
+    # Profiled element-wise work per layer, prefill attention per prompt, decode attention per
+    # call and routed experts per call, per layer layout (the CPU's: the profiler times them
+    # on the engine's CPU code).
     layer_ops_points: tuple[LayerOpsPoint, ...] = ()
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
     decode_attention_points: tuple[DecodeAttentionPoint, ...] = ()
+    moe_ffn_points: tuple[MoeFfnPoint, ...] = ()
     notes: str = ""
 
     @property

@@ -378,10 +378,11 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
 
 
 def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool) -> dict[str, list[dict[str, Any]]]:
-    """The element-wise layer work, prefill attention per prompt and decode attention per call
-    of each model's layer layout (profile_layer_ops), once per layout: rows by LAYOUT_KEYS."""
+    """The element-wise layer work, prefill attention per prompt, decode attention per call and
+    routed experts per call of each model's layer layout (profile_layer_ops), once per layout:
+    rows by LAYOUT_KEYS."""
     from moe_engine.tools.profile_layer_ops import (measure_decode_attention, measure_layer_ops,
-                                                    measure_prefill_attention)
+                                                    measure_moe_ffn, measure_prefill_attention)
 
     tune_host_allocator()  # as the engine runs its steps
     rows: dict[str, list[dict[str, Any]]] = {key: [] for key in LAYOUT_KEYS}
@@ -393,6 +394,7 @@ def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool)
         rows["layer_ops"] += measure_layer_ops(m, tokens, fast)
         rows["prefill_attention"] += measure_prefill_attention(m, fast)
         rows["decode_attention"] += measure_decode_attention(m, fast)
+        rows["moe_ffn"] += measure_moe_ffn(m, tokens, fast, last_level_cache_bytes())
     return rows
 
 
