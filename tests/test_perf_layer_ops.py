@@ -168,7 +168,7 @@ def test_profiled_expert_call_replaces_the_per_expert_gemms_of_its_layout():
     for n in (1, 5, 64, 300):
         assert expert_ffn_time(TINY, profiled, n) == pytest.approx(30e-6 + 2e-6 * n)
         assert expert_ffn_time(TINY, bare, n) != pytest.approx(30e-6 + 2e-6 * n)
-    elsewhere = cpu_processor(_cpu(moe_ffn_points=tuple(MoeFfnPoint("another", 8, 1.0) for _ in (0,))))
+    elsewhere = cpu_processor(_cpu(moe_ffn_points=(MoeFfnPoint("another", 8, 1.0),)))
     assert expert_ffn_time(TINY, elsewhere, 8) == expert_ffn_time(TINY, bare, 8)
     gpu = dataclasses.replace(load_preset("l4"), moe_ffn_points=points)
     assert device_processor(gpu).routed_experts(TINY, 8) is None

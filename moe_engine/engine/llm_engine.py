@@ -17,7 +17,6 @@ import torch
 from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.engine.block_manager import BlockAllocator, WindowPool
 from moe_engine.engine.calibrate import find_or_record_routing, record_bundled_routing
-from moe_engine.host_alloc import tune_host_allocator
 from moe_engine.engine.memory import rss_bytes
 from moe_engine.engine.model_runner import ModelRunner
 from moe_engine.engine.request import Request, RequestResult, stable_seed
@@ -27,6 +26,7 @@ from moe_engine.engine.sequence import Sequence
 from moe_engine.engine.stats import EngineStats
 from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
 from moe_engine.engine.tokenizer import load_tokenizer
+from moe_engine.host_alloc import tune_host_allocator
 from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, kv_pool_blocks
 from moe_engine.model import packed

@@ -35,7 +35,7 @@ from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir,
 from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
-from moe_engine.tools.timing import median_time
+from moe_engine.tools.timing import median_time, rotation_copies
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FAST_TOKENS = (1, 8, 64, 256)
@@ -69,7 +69,7 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
         # engine does (its layers' weights together exceed the cache); one hot copy would
         # measure the cache instead and flatter small-token GEMMs.
         wbytes = inp * out * dtype_bytes
-        copies = max(1, min(256, math.ceil(2 * llc / wbytes), int(1.5e9 // wbytes)))
+        copies = rotation_copies(wbytes, llc, max_copies=256)
         base = torch.randn(out, inp, dtype=dt, device=device) * 0.02
         if use_packed:
             storage = packed.storage_name(dt)

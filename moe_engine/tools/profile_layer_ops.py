@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from moe_engine.perf.specs import ModelSpec, layer_layout
-from moe_engine.tools.timing import interleaved_best_times
+from moe_engine.tools.timing import interleaved_best_times, rotation_copies
 
 # Dense where prompts usually are: SDPA's time per prompt is step-like in the length.
 PROMPT_LENGTHS = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 2048)
@@ -218,8 +218,6 @@ def measure_moe_ffn(m: ModelSpec, tokens: tuple[int, ...], fast: bool, cache_byt
     engine calls took 133 us at 8 tokens, 73 with one copy in the cache, 97 rotated.
     Token counts stop growing once a call takes over `max_call_s` (the model extrapolates the
     affine tail)."""
-    import math
-
     import torch
 
     from moe_engine.model import packed
@@ -239,8 +237,7 @@ def measure_moe_ffn(m: ModelSpec, tokens: tuple[int, ...], fast: bool, cache_byt
                           (torch.randn(h, inter, generator=g) * 0.02).to(weight_dtype))
         return packed.pack_expert(w, storage) if packed.HAS_PACKED_KERNELS else w.map(lambda t: t.to(dtype))
 
-    set_bytes = max(1, e * m.expert_bytes)
-    copies = max(1, min(64, math.ceil(2 * cache_bytes / set_bytes), int(1.5e9 // set_bytes)))
+    copies = rotation_copies(e * m.expert_bytes, cache_bytes, max_copies=64)
     sets = [[expert() for _ in range(e)] for _ in range(copies)]
     rows = []
     for n in tokens:

@@ -1,6 +1,7 @@
 """The profiler's timers: batched calls, several batches, because the VM is noisy."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -29,6 +30,15 @@ def batch_times(fn: Callable[[], Any], min_batch_s: float, trials: int,
         sync()
         times.append((time.perf_counter() - t0) / reps)
     return times
+
+
+def rotation_copies(nbytes: int, cache_bytes: int, max_copies: int, max_total: float = 1.5e9) -> int:
+    """How many copies of `nbytes` of weights a timed call rotates through so that each call
+    reads its weights from DRAM, as the engine's calls do (its weights together exceed the
+    cache; one hot copy would measure the cache): enough to fill twice the last-level cache
+    (`cache_bytes`), at most `max_copies` and `max_total` bytes in all."""
+    nbytes = max(1, nbytes)
+    return max(1, min(max_copies, math.ceil(2 * cache_bytes / nbytes), int(max_total // nbytes)))
 
 
 def median_time(fn: Callable[[], Any], min_batch_s: float, trials: int,
