@@ -25,6 +25,10 @@ ISA_BUILDS = [
     ("isa_avx2.c", ["-mavx2", "-mfma", "-mf16c"], "MOE_BUILT_AVX2"),
     ("isa_avx512.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
      "MOE_BUILT_AVX512"),
+    # AVX-512 plus vdpbf16ps (Zen 4, Sapphire Rapids on): bf16p weights only; dropped where the
+    # compiler lacks -mavx512bf16 (GCC < 10)
+    ("isa_avx512bf16.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                          "-mfma", "-mf16c"], "MOE_BUILT_AVX512BF16"),
 ]
 # Extensions that link the ISA builds and the dispatcher.
 ISA_EXTENSIONS = {"packed_gemm", "paged_attention"}

@@ -22,6 +22,10 @@ int moe_isa_supported(int isa) {
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                    __builtin_cpu_supports("fma");
 #endif
+#if defined(MOE_BUILT_AVX512BF16)
+        case MOE_ISA_AVX512BF16:
+            return moe_isa_supported(MOE_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
+#endif
 #endif
         default:
             return 0;
@@ -35,7 +39,8 @@ int moe_isa_best(void) {
 }
 
 const char *moe_isa_name(int isa) {
-    static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avx512"};
+    static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avx512",
+                                                        "avx512bf16"};
     return isa >= 0 && isa < MOE_ISA_COUNT ? names[isa] : "unknown";
 }
 
@@ -47,6 +52,9 @@ const moe_isa_ops *moe_isa_get(int isa) {
 #endif
 #if defined(MOE_BUILT_AVX512)
         case MOE_ISA_AVX512: return &moe_ops_avx512;
+#endif
+#if defined(MOE_BUILT_AVX512BF16)
+        case MOE_ISA_AVX512BF16: return &moe_ops_avx512bf16;
 #endif
         default: return &moe_ops_generic;
     }

@@ -22,6 +22,14 @@
  *       and their negatives), W = value * 2^(e - 127) with e the group's E8M0 scale byte;
  *       scale is [P, k/32, 32] uint8 (groups of 32 inputs, as the format has them). Decoded
  *       in registers by a table lookup (a permute), never widened in memory.
+ *   bf16p (bf16 pairs, engine.matmul_precision=medium): k is taken in pairs (k odd: padded with
+ *       a zero input); a panel holds ceil(k/2) "pair-rows" of 32 32-bit words, word c of pair-row
+ *       j holding W[32p + c, 2j] (low half) and W[32p + c, 2j + 1] (high half). The activations
+ *       are rounded to bf16 (to nearest even) and paired the same way, so one AVX512-BF16
+ *       vdpbf16ps does both multiply-adds of a pair in each lane; builds without it widen both
+ *       halves and do the two FMAs (the odd product first, as the instruction's definition),
+ *       which matches the instruction up to its last bit (its rounding inside the pair is the
+ *       hardware's: ~1% of lanes differ by an ulp on AMD Zen 4).
  * Every ISA computes each output as one fp32 FMA chain over k in increasing order, so a row's
  * result does not depend on the other rows of the call (batch invariance) nor on the ISA when
  * the ISA has FMA.
@@ -36,7 +44,8 @@
 
 /* Storage dtypes of packed weights; KV caches use the first three. */
 enum moe_wdtype {
-    MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4, MOE_W_FP4 = 5
+    MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4, MOE_W_FP4 = 5,
+    MOE_W_BF16P = 6
 };
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
 /* The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped form
@@ -46,7 +55,11 @@ typedef struct {
     int kind;
     float alpha, limit; /* MOE_GLU_CLAMPED only */
 } moe_glu;
-enum moe_isa { MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_COUNT = 3 };
+/* AVX512BF16: the AVX-512 build plus vdpbf16ps for bf16p weights (every other path as AVX512). */
+enum moe_isa {
+    MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_AVX512BF16 = 3,
+    MOE_ISA_COUNT = 4
+};
 
 /* A packed weight: data in the layout above, n true output columns, k inputs. */
 typedef struct {
@@ -91,8 +104,9 @@ typedef struct {
     int lanes; /* fp32 lanes of one vector */
     /* y[t, :n] = act(x[t, :k] @ W^T (+ bias)) for t < T; x row stride ldx, y row stride ldy;
      * act is MOE_ACT_*, applied per element in scalar code (torch's vectorized sigmoid rounds
-     * differently in a vector's tail, so a row's result would depend on its position). */
-    void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
+     * differently in a vector's tail, so a row's result would depend on its position).
+     * Returns 0, or -2 when the bf16 pairs of x (bf16p weights) could not be allocated. */
+    int (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
                    int act, float *y, int64_t ldy, int nthreads);
     /* Routed SwiGLU experts over T tokens with top_k choices each: out[t] = sum over s < top_k
      * (in s order) of weight[t, s] * expert[idx[t, s]](x[t]), an expert computing
@@ -118,6 +132,7 @@ typedef struct {
 extern const moe_isa_ops moe_ops_generic;
 extern const moe_isa_ops moe_ops_avx2;
 extern const moe_isa_ops moe_ops_avx512;
+extern const moe_isa_ops moe_ops_avx512bf16;
 
 /* Scratch the moe_ffn of T tokens x top_k needs, in floats and int32s. */
 static inline int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I) {
@@ -131,7 +146,7 @@ static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) 
 /* Dispatch (isa_dispatch.c). */
 int moe_isa_supported(int isa);
 int moe_isa_best(void);
-const char *moe_isa_name(int isa); /* "generic", "avx2", "avx512" (also for ISAs not built) */
+const char *moe_isa_name(int isa); /* "generic", "avx2", "avx512", "avx512bf16" (built or not) */
 const moe_isa_ops *moe_isa_get(int isa);
 
 #endif

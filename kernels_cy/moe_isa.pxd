@@ -5,8 +5,8 @@ from libc.stdint cimport int32_t, int64_t
 cdef extern from "moe_isa.h" nogil:
     int MOE_NR
     int MOE_I4_GROUP
-    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4
-    int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_COUNT
+    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P
+    int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_COUNT
     int MOE_ACT_NONE, MOE_ACT_SIGMOID
     int MOE_GLU_SILU, MOE_GLU_CLAMPED
     ctypedef struct moe_glu:
@@ -39,7 +39,7 @@ cdef extern from "moe_isa.h" nogil:
     ctypedef struct moe_isa_ops:
         const char *name
         int lanes
-        void (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
+        int (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy,
                        int nthreads) noexcept nogil
         int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx,

@@ -11,11 +11,12 @@ from moe_isa cimport *
 
 NR = MOE_NR
 I4_GROUP = MOE_I4_GROUP
-W_F32, W_BF16, W_F16, W_I8, W_I4, W_FP4 = (MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4,
-                                           MOE_W_FP4)
+W_F32, W_BF16, W_F16, W_I8, W_I4, W_FP4, W_BF16P = (MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8,
+                                                    MOE_W_I4, MOE_W_FP4, MOE_W_BF16P)
 GLU_SILU, GLU_CLAMPED = MOE_GLU_SILU, MOE_GLU_CLAMPED
 TABLE_COLUMNS = 12  # moe_ffn's expert table: see its docstring
-ISA_GENERIC, ISA_AVX2, ISA_AVX512 = MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512
+ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 = (MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512,
+                                                    MOE_ISA_AVX512BF16)
 ACTIVATIONS = {None: MOE_ACT_NONE, "sigmoid": MOE_ACT_SIGMOID}
 ISA_NAMES = {isa: moe_isa_name(isa).decode() for isa in range(MOE_ISA_COUNT)}
 
@@ -49,10 +50,13 @@ def linear(uintptr_t x, int64_t ldx, int64_t T, uintptr_t w_data, uintptr_t w_sc
     """y[t, :n] = act(x[t, :k] @ W^T (+ bias)), fp32 x and y, W packed; releases the GIL."""
     cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef moe_packed w = _packed(w_data, w_scale, n, k, dtype)
+    cdef int rc
     nthreads = max(nthreads, 1)
     with nogil:
-        ops.linear(<const float *>x, ldx, T, &w, <const float *>bias, act, <float *>y, ldy,
-                   nthreads)
+        rc = ops.linear(<const float *>x, ldx, T, &w, <const float *>bias, act, <float *>y, ldy,
+                        nthreads)
+    if rc != 0:
+        raise MemoryError("linear: the activations' bf16 pairs could not be allocated")
 
 
 def work_sizes(int64_t T, int top_k, int64_t H, int64_t I, int num_experts):
@@ -93,6 +97,8 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
     free(experts)
     if rc == -1:
         raise ValueError("moe_ffn: a routed expert index is out of range or names an absent expert")
+    if rc == -3:
+        raise ValueError("moe_ffn: the experts of one call mix bf16p with other storage")
     if rc != 0:
         raise MemoryError("moe_ffn: scratch allocation failed")
 

@@ -55,9 +55,36 @@ static inline vi widen_u8(const void *p) {
 #endif
 }
 
-/* Bytes of one k-row (32 columns) per weight dtype. */
+/* Bytes of one k-row (32 columns) per weight dtype; bf16p: of one pair-row (two k). */
 static inline int64_t krow_bytes(int dt) {
-    return dt == MOE_W_F32 ? 128 : dt == MOE_W_I8 ? 32 : (dt == MOE_W_I4 || dt == MOE_W_FP4) ? 16 : 64;
+    return (dt == MOE_W_F32 || dt == MOE_W_BF16P) ? 128
+           : dt == MOE_W_I8 ? 32 : (dt == MOE_W_I4 || dt == MOE_W_FP4) ? 16 : 64;
+}
+
+/* k-rows a panel holds: k, or ceil(k/2) pair-rows for bf16p. */
+static inline int64_t panel_rows(int dt, int64_t k) { return dt == MOE_W_BF16P ? (k + 1) / 2 : k; }
+
+/* fp32 bits -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN): what the
+ * activations of bf16p weights become, the same on every ISA. */
+static inline uint32_t bf16_round(uint32_t u) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* k fp32 values at src as ceil(k/2) bf16 pair words at dst (k odd: the last paired with zero).
+ * dst may be src (the down GEMM converts its activations in place): word j is written after
+ * floats 2j and 2j+1 were read, j <= 2j, and every access is a memcpy, so the compiler
+ * assumes the aliasing it has. */
+static inline void bf16_pairs(const void *src, int64_t k, void *dst) {
+    const char *in = (const char *)src;
+    char *out = (char *)dst;
+    for (int64_t j = 0; 2 * j < k; j++) {
+        uint32_t lo, hi = 0, w;
+        memcpy(&lo, in + 8 * j, 4);
+        if (2 * j + 1 < k) memcpy(&hi, in + 8 * j + 4, 4);
+        w = bf16_round(lo) | (2 * j + 1 < k ? bf16_round(hi) << 16 : 0u);
+        memcpy(out + 4 * j, &w, 4);
+    }
 }
 
 /* The E2M1 (FP4) values by code: sign bit 3, then 2 exponent bits and 1 mantissa bit. */
@@ -144,6 +171,41 @@ static inline __attribute__((always_inline)) void micro_kernel(
                     acc[r][1] += b * xb;
                 }
             }
+        }
+        return;
+    }
+    if (dt == MOE_W_BF16P) { /* x holds bf16 pair words, ldx of them a row */
+        for (int64_t j = 0; j < (K + 1) / 2; j++) {
+            const char *row = panel + j * rb;
+#if VW == 16 && defined(__AVX512BF16__)
+            const __m512bh a = (__m512bh)_mm512_loadu_si512(row + s * VW * 4);
+            const __m512bh b = (__m512bh)_mm512_loadu_si512(row + (16 + s * VW) * 4);
+            for (int r = 0; r < M; r++) {
+                int32_t w;
+                memcpy(&w, x + r * ldx + j, sizeof w);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
+                acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
+                acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
+            }
+#else
+            vf a_lo, a_hi, b_lo, b_hi; /* inputs 2j and 2j+1 of each column */
+            cvt_bf16_halves(row + s * VW * 4, &a_lo, &a_hi);
+            cvt_bf16_halves(row + (16 + s * VW) * 4, &b_lo, &b_hi);
+            for (int r = 0; r < M; r++) {
+                uint32_t w;
+                memcpy(&w, x + r * ldx + j, sizeof w);
+                const uint32_t wl = w << 16, wh = w & 0xffff0000u;
+                float fl, fh;
+                memcpy(&fl, &wl, sizeof fl);
+                memcpy(&fh, &wh, sizeof fh);
+                const vf xl = bcast(fl), xh = bcast(fh);
+                /* products of bf16s are exact in fp32: FMA or not, each add rounds once */
+                acc[r][0] += a_hi * xh;
+                acc[r][0] += a_lo * xl;
+                acc[r][1] += b_hi * xh;
+                acc[r][1] += b_lo * xl;
+            }
+#endif
         }
         return;
     }
@@ -277,6 +339,7 @@ MOE_TILE_FN(tile_f16, MOE_W_F16)
 MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
 MOE_TILE_FN(tile_fp4, MOE_W_FP4)
+MOE_TILE_FN(tile_bf16p, MOE_W_BF16P)
 
 typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const void *,
                         const epilogue *, int);
@@ -288,12 +351,13 @@ static tile_fn tile_for(int dt) {
         case MOE_W_I8: return tile_i8;
         case MOE_W_I4: return tile_i4;
         case MOE_W_FP4: return tile_fp4;
+        case MOE_W_BF16P: return tile_bf16p;
         default: return tile_f32;
     }
 }
 
 static inline const char *panel_ptr(const moe_packed *w, int64_t p) {
-    return (const char *)w->data + p * w->k * krow_bytes(w->dtype);
+    return (const char *)w->data + p * panel_rows(w->dtype, w->k) * krow_bytes(w->dtype);
 }
 
 /* Group scales of panel p (i4: fp32, fp4: E8M0 bytes) or NULL. */
@@ -320,11 +384,21 @@ static inline void run_tiles(tile_fn tile_of, const float *x, int64_t ldx, int64
                 (int)tb);
 }
 
-static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
-                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
+static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
+                       const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     const tile_fn tile_of = tile_for(w->dtype);
     const int64_t P = num_panels(w), chunks = (T + TC - 1) / TC, items = P * chunks;
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
+    uint32_t *pairs = NULL;
+    if (w->dtype == MOE_W_BF16P) { /* the rows as bf16 pairs, once for every panel */
+        const int64_t k2 = (w->k + 1) / 2;
+        pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(T * k2 > 0 ? T * k2 : 1));
+        if (!pairs) return -2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
+        for (int64_t t = 0; t < T; t++) bf16_pairs(x + t * ldx, w->k, pairs + t * k2);
+        x = (const float *)pairs;
+        ldx = k2;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it % P, c = it / P;
@@ -337,18 +411,31 @@ static void linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed
                              .out = y + p * MOE_NR, .ldo = ldy};
         run_tiles(tile_of, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC, t1);
     }
+    free(pairs);
+    return 0;
 }
 
 /* The SwiGLU experts (see moe_isa_ops.moe_ffn). Returns 0, -1 when an index names an expert
- * that is out of range or absent, -2 when out of memory. */
+ * that is out of range or absent, -2 when out of memory, -3 when the experts mix bf16p with
+ * other storage (the gathered rows are either bf16 pairs or fp32 for all of them). */
 static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx,
                         const float *weight, int top_k, const moe_expert *experts, int E,
                         const moe_glu *glu, float *out, float *work, int32_t *iwork,
                         int nthreads) {
     const int64_t rows = T * top_k;
     int64_t I = 0;
-    for (int e = 0; e < E && I == 0; e++)
-        if (experts[e].w13.data) I = experts[e].w2.k;
+    int pairs13 = -1, pairs2 = -1; /* whether w13 / w2 take bf16 pairs (-1: no expert yet) */
+    for (int e = 0; e < E; e++) {
+        if (!experts[e].w13.data) continue;
+        const int p13 = experts[e].w13.dtype == MOE_W_BF16P, p2 = experts[e].w2.dtype == MOE_W_BF16P;
+        if (I == 0) {
+            I = experts[e].w2.k;
+            pairs13 = p13;
+            pairs2 = p2;
+        } else if (p13 != pairs13 || p2 != pairs2) {
+            return -3;
+        }
+    }
     int32_t *by_expert = iwork, *offset = iwork + rows; /* offset[E+1] */
     for (int e = 0; e <= E; e++) offset[e] = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -370,8 +457,13 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(xg + i * H, x + (by_expert[i] / top_k) * H, sizeof(float) * H);
+        for (int64_t i = 0; i < rows; i++) {
+            const float *src = x + (by_expert[i] / top_k) * H;
+            if (pairs13 == 1) /* bf16 pairs at the fp32 row stride: ldx stays H */
+                bf16_pairs(src, H, xg + i * H);
+            else
+                memcpy(xg + i * H, src, sizeof(float) * H);
+        }
         /* gate|up GEMM and SiLU(gate) * up, per (expert, token chunk, panel) */
         for (int e = 0; e < E; e++) {
             const int64_t n = offset[e + 1] - offset[e];
@@ -396,6 +488,11 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             }
         }
 #pragma omp barrier
+        if (pairs2 == 1) { /* the activations as bf16 pairs, in place, row stride kept */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < rows; i++)
+                bf16_pairs(act + i * I, I, act + i * I);
+        }
         /* down GEMM, each row weighted by its routing weight into its (token, slot) row */
         for (int e = 0; e < E; e++) {
             const int64_t n = offset[e + 1] - offset[e];

@@ -2,7 +2,10 @@
 every ISA build this CPU can run, every weight storage, and the awkward sizes: token counts
 around the register tile (1, 2, 15, 16, 17, 64, 333), hidden sizes that are not multiples of
 the panel width, experts that receive no token. Also: a row's result is bitwise the same
-whatever rows share its call (batch invariance), and the same on every FMA-capable ISA."""
+whatever rows share its call (batch invariance), and the same on every FMA-capable ISA.
+bf16p (engine.matmul_precision=medium) rounds the activations to bf16 before its GEMMs; its
+reference does the same, and AVX512-BF16's vdpbf16ps is compared with the FMA builds' emulation
+of it."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +19,13 @@ pytestmark = pytest.mark.skipif(not packed.HAS_PACKED_KERNELS, reason="kernels n
 
 ISAS = packed.supported_isas()
 TOKENS = [1, 2, 15, 16, 17, 64, 333]
-FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+         "bf16p": torch.bfloat16}
+
+
+def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
+    """What the kernel multiplies the weights by, in fp64: bf16p rounds x to bf16 first."""
+    return (x.float().bfloat16() if storage == packed.PAIR_STORAGE else x).double()
 
 
 def dequantized(w: torch.Tensor, storage: str) -> torch.Tensor:
@@ -46,7 +55,11 @@ def dequantized(w: torch.Tensor, storage: str) -> torch.Tensor:
 def tolerance(storage: str) -> float:
     # fp32 accumulation over k <= 300 of O(0.1) terms; the quantized references round with fp64
     # scales, the kernel with fp32 ones (a last-bit difference of the scale on a few rows).
-    # (mxfp4 scales are powers of two: exact in both)
+    # (mxfp4 scales are powers of two: exact in both). bf16p rounds the SwiGLU activations the
+    # kernel computed in fp32 and the reference in fp64 to bf16: a value near a rounding tie
+    # can land one bf16 step (2^-8 relative) apart.
+    if storage == packed.PAIR_STORAGE:
+        return 1e-4
     return 2e-5 if storage in FLOAT else 2e-4
 
 
@@ -59,9 +72,33 @@ def test_linear_matches_fp64_reference(isa, storage, tokens):
     w, b = torch.randn(n, k) * 0.1, torch.randn(n)
     x = torch.randn(tokens, k)
     y = packed.packed_linear(x, packed.pack_linear(w, storage), b, isa=isa, threads=2)
-    ref = x.double() @ dequantized(w, storage).T + b.double()
+    ref = activations(x, storage) @ dequantized(w, storage).T + b.double()
     assert y.shape == (tokens, n) and y.dtype == torch.float32
     assert (y.double() - ref).abs().max().item() < tolerance(storage)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [1, 33, 97])
+def test_bf16_pairs_take_an_odd_input_size(isa, k):
+    """An odd k pairs its last input with a zero (in the weight and in the activations)."""
+    torch.manual_seed(k)
+    w, x = torch.randn(40, k) * 0.1, torch.randn(17, k)
+    y = packed.packed_linear(x, packed.pack_linear(w, "bf16p"), isa=isa, threads=2)
+    ref = activations(x, "bf16p") @ dequantized(w, "bf16p").T
+    assert (y.double() - ref).abs().max().item() < 2e-5
+
+
+def test_bf16_pair_activations_round_to_nearest_even():
+    """The kernel's fp32 -> bf16 rounding is torch's (ties to even, overflow to inf, NaN kept),
+    seen through weights that pick one input at a time. (Subnormals are left out: vdpbf16ps
+    treats them as zero, the emulation does not.)"""
+    x = torch.tensor([[1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3e38, -2.5, 1 + 2 ** -9]])
+    y = packed.packed_linear(x, packed.pack_linear(torch.eye(x.shape[1]), "bf16p"), threads=1)
+    assert torch.equal(y, x.bfloat16().float())
+    one = packed.pack_linear(torch.ones(1, 1), "bf16p")
+    big = packed.packed_linear(torch.tensor([[3.4e38]]), one, threads=1)  # rounds up past max
+    assert torch.equal(big, torch.tensor([[3.4e38]]).bfloat16().float()) and big.isinf().all()
+    assert packed.packed_linear(torch.tensor([[float("nan")]]), one, threads=1).isnan().all()
 
 
 def _experts(num: int, hidden: int, inter: int, storage: str, seed: int = 0):
@@ -78,7 +115,7 @@ def _moe_reference(w13, w2, storage, h, weights, indices, b13=None, b2=None, cla
         tok, slot = (indices == e).nonzero(as_tuple=True)
         if len(tok) == 0:
             continue
-        gu = h[tok].double() @ dequantized(w13[e], storage).T
+        gu = activations(h[tok], storage) @ dequantized(w13[e], storage).T
         if b13 is not None:
             gu = gu + b13[e].double()
         gate, up = gu[:, :inter], gu[:, inter:]
@@ -87,7 +124,7 @@ def _moe_reference(w13, w2, storage, h, weights, indices, b13=None, b2=None, cla
         else:  # GPT-OSS, as transformers writes it
             gate, up = gate.clamp(max=clamp.limit), up.clamp(-clamp.limit, clamp.limit)
             act = (up + 1) * (gate * torch.sigmoid(gate * clamp.alpha))
-        y = act @ dequantized(w2[e], storage).T
+        y = activations(act, storage) @ dequantized(w2[e], storage).T
         if b2 is not None:
             y = y + b2[e].double()
         out.index_add_(0, tok, weights[tok, slot].double()[:, None] * y)
@@ -190,12 +227,13 @@ def test_moe_ffn_rejects_an_absent_expert():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_rows_result_does_not_depend_on_its_batch(isa):
+@pytest.mark.parametrize("storage", ["bf16", "bf16p"])
+def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     """Bitwise: one row alone, in a batch of 7 and of 64, at another position."""
     torch.manual_seed(0)
     hidden, inter = 128, 96
-    _, _, experts = _experts(8, hidden, inter, "bf16")
-    lin = packed.pack_linear(torch.randn(200, hidden), "bf16")
+    _, _, experts = _experts(8, hidden, inter, storage)
+    lin = packed.pack_linear(torch.randn(200, hidden), storage)
     row = torch.randn(1, hidden)
     idx, wts = torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]])
     alone_ffn = packed.packed_moe_ffn(experts, row, wts, idx, isa=isa, threads=1)
@@ -214,6 +252,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa):
 
 
 def test_fma_isas_agree_bitwise():
+    # AVX512BF16 runs bf16 weights with the AVX-512 code: it joins the comparison
     fma = [isa for isa in ISAS if isa != "generic"]
     if len(fma) < 2:
         pytest.skip("one FMA-capable ISA build on this CPU")
@@ -222,6 +261,31 @@ def test_fma_isas_agree_bitwise():
     h, idx, wts = torch.randn(33, 64), torch.randint(0, 4, (33, 1)), torch.rand(33, 1)
     outs = [packed.packed_moe_ffn(experts, h, wts, idx, isa=isa) for isa in fma]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX512-BF16 on this CPU")
+def test_bf16_dot_instruction_matches_its_fma_emulation():
+    """vdpbf16ps against the AVX-512 build's two FMAs per pair: the same to within the
+    instruction's own rounding inside a pair (an ulp or so of the fp32 sums)."""
+    torch.manual_seed(2)
+    _, _, experts = _experts(4, 256, 128, "bf16p")
+    h, idx, wts = torch.randn(64, 256), torch.randint(0, 4, (64, 2)), torch.rand(64, 2)
+    dot = packed.packed_moe_ffn(experts, h, wts, idx, isa="avx512bf16")
+    fma = packed.packed_moe_ffn(experts, h, wts, idx, isa="avx512")
+    assert (dot - fma).abs().max().item() <= 1e-6 * fma.abs().max().item() + 1e-7
+
+
+def test_experts_that_mix_bf16_pairs_with_fp32_rows_are_refused():
+    _, _, pairs = _experts(2, 32, 32, "bf16p")
+    _, _, rows = _experts(2, 32, 32, "bf16")
+    with pytest.raises(ValueError, match="mix bf16p"):
+        packed.packed_moe_ffn([pairs[0], rows[1]], torch.randn(2, 32), torch.ones(2, 1),
+                              torch.tensor([[0], [1]]))
+
+
+def test_bf16p_experts_need_even_sizes():
+    with pytest.raises(ValueError, match="even"):
+        packed.pack_expert(ExpertWeights(torch.randn(2 * 33, 64), torch.randn(64, 33)), "bf16p")
 
 
 def test_unsupported_isa_is_refused_not_run():

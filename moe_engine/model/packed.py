@@ -13,8 +13,9 @@ Layouts are described in kernels_cy/moe_isa.h; this module builds them with torc
   per panel so that the kernel applies SiLU(gate) * up (or GPT-OSS's clamped form, with its
   biases) on its register tile. An MXFP4 expert as loaded (model/mxfp4.py) is packed from its
   codes, never widened.
-The ISA build is chosen once, at import, from CPUID (`ISA`); `MOE_BATCH_ISA=avx2|avx512|generic`
-forces one the CPU supports (benchmarks and tests), and every function takes `isa=` too.
+The ISA build is chosen once, at import, from CPUID (`ISA`); `MOE_BATCH_ISA=avx2|avx512|avx512bf16|generic`
+forces one the CPU supports (benchmarks and tests; `avx512bf16` is the AVX-512 build plus
+vdpbf16ps for bf16p weights), and every function takes `isa=` too.
 """
 from __future__ import annotations
 
@@ -34,13 +35,19 @@ _ext = import_kernel("moe_engine._kernels.packed_gemm")
 HAS_PACKED_KERNELS: bool = _ext is not None
 NR = 32  # output columns per panel (moe_isa.h MOE_NR)
 I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP); MXFP4's blocks are as wide
-STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4")
+STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p")
 NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 32 inputs
+# bf16 weights whose GEMMs round the activations to bf16 (engine.matmul_precision=medium): k in
+# pairs, one 32-bit word a column and pair, so AVX512-BF16's vdpbf16ps does two multiply-adds a
+# lane; other CPUs compute the same products in fp32 FMAs
+PAIR_STORAGE = "bf16p"
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                  "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8}
+                  "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
+                  "bf16p": torch.bfloat16}
 _CODES = ({"fp32": _ext.W_F32, "bf16": _ext.W_BF16, "fp16": _ext.W_F16, "int8": _ext.W_I8,
-           "int4": _ext.W_I4, "mxfp4": _ext.W_FP4} if _ext is not None else {})
+           "int4": _ext.W_I4, "mxfp4": _ext.W_FP4, "bf16p": _ext.W_BF16P}
+          if _ext is not None else {})
 _ISA_CODES = {name: code for code, name in _ext.ISA_NAMES.items()} if _ext is not None else {}
 
 
@@ -74,8 +81,8 @@ def storage_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A [n, k] weight in panel layout: `data` [P, k, 32] (int4, mxfp4: [P, k, 16] bytes),
-    `scale` for int8 ([P*32] fp32), int4 ([P, k/32, 32] fp32) and mxfp4 ([P, k/32, 32] E8M0
+    """A [n, k] weight in panel layout: `data` [P, k, 32] (int4, mxfp4: [P, k, 16] bytes; bf16p:
+    [P, ceil(k/2), 32] int32 words of bf16 pairs), `scale` for int8 ([P*32] fp32), int4 ([P, k/32, 32] fp32) and mxfp4 ([P, k/32, 32] E8M0
     bytes), None for float storage."""
 
     data: torch.Tensor
@@ -100,7 +107,7 @@ def _quantize(w: torch.Tensor, storage: str) -> tuple[torch.Tensor, Optional[tor
     """Row-major [n, k] weight in its storage dtype plus scales (per output row for int8, per
     row and group of 32 inputs for int4 and mxfp4), symmetric, from the fp32 values; int4 and
     mxfp4 give one code a byte."""
-    if storage in ("fp32", "bf16", "fp16"):
+    if storage in ("fp32", "bf16", "fp16", PAIR_STORAGE):
         return w.to(_TORCH_STORAGE[storage]), None
     if storage == "mxfp4":
         return mxfp4.quantize(w)
@@ -137,6 +144,12 @@ def _panels(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
     elif storage in NIBBLE_STORAGE:
         lo, hi = panels[..., :16], panels[..., 16:]
         panels = lo | (hi << 4)  # [P, k, 16] bytes
+    elif storage == PAIR_STORAGE:
+        # word c of pair-row j = (W[32p + c, 2j], W[32p + c, 2j + 1]); an odd k gets a zero input
+        if k % 2:
+            panels = torch.cat([panels, panels.new_zeros(p, 1, NR)], dim=1)
+        pairs = panels.reshape(p, -1, 2, NR).transpose(2, 3).contiguous()  # [P, k/2, 32, 2]
+        panels = pairs.view(torch.int32).reshape(p, -1, NR)
     if scale is not None and storage in NIBBLE_STORAGE:
         scale = scale.reshape(p, NR, k // I4_GROUP).transpose(1, 2)  # [P, k/32, 32]
     if scale is not None and storage != "mxfp4":  # MXFP4 keeps its E8M0 bytes
@@ -200,8 +213,12 @@ def _padded(v: torch.Tensor, n: int) -> torch.Tensor:
 def pack_expert(mlp: ExpertWeights, storage: str) -> ExpertWeights:
     """A SwiGLU MLP (w13 = [gate; up] [2I, H], w2 = down [H, I], or MXFP4 rows) packed for
     `packed_moe_ffn`, biases (fp32, in packed column order, padded to whole panels) and clamp
-    kept. Quantized storage scales each row as a whole, before the gate/up reorder."""
+    kept. Quantized storage scales each row as a whole, before the gate/up reorder. bf16p
+    needs even H and I (a packed expert's shape says its pair-rows, not an odd k)."""
     rows = is_mxfp4_rows(mlp)
+    if storage == PAIR_STORAGE and (mlp.w2.shape[0] % 2 or mlp.w2.shape[1] % 2):
+        raise ValueError(f"bf16p experts need an even hidden and intermediate size, got "
+                         f"{tuple(mlp.w2.shape)}")
     q13, s13 = _quantized_rows(mlp.w13, mlp.s13, rows, storage)
     p13, s13 = _pack_rows(_gate_up_rows(q13), _gate_up_rows(s13) if s13 is not None else None,
                           storage)
@@ -267,7 +284,15 @@ def is_packed(expert: ExpertWeights) -> bool:
     return expert.w13.dim() == 3
 
 
+def packed_inputs(panels: torch.Tensor) -> int:
+    """The input size k of a packed expert projection [P, rows, 32|16]: its rows, or twice
+    them for bf16p's pair-rows (an expert's k is even there, see pack_expert)."""
+    return panels.shape[1] * (2 if panels.dtype == torch.int32 else 1)
+
+
 def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
+    if data.dtype == torch.int32:
+        return PAIR_STORAGE
     if data.dtype == torch.uint8:
         return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "int4"
     if data.dtype == torch.int8:
@@ -335,7 +360,7 @@ def _expert_table(experts: list[Optional[ExpertWeights]]) -> torch.Tensor:
             continue
         if not is_packed(x):
             raise ValueError("moe_ffn on the packed kernels needs every expert packed")
-        p13, k13, p2, k2 = x.w13.shape[0], x.w13.shape[1], x.w2.shape[0], x.w2.shape[1]
+        p13, k13, p2, k2 = x.w13.shape[0], packed_inputs(x.w13), x.w2.shape[0], packed_inputs(x.w2)
         for bias, width in ((x.b13, p13 * NR), (x.b2, p2 * NR)):
             if bias is not None and (bias.dtype != torch.float32 or bias.numel() != width
                                      or not bias.is_contiguous()):
@@ -357,9 +382,9 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
     t, hidden = h.shape
     top_k = indices.shape[1]
     present = next(x for x in experts if x is not None)
-    inter = present.w2.shape[1]
-    if present.w13.shape[1] != hidden:
-        raise ValueError(f"experts take {present.w13.shape[1]} features, h has {hidden}")
+    inter = packed_inputs(present.w2)
+    if packed_inputs(present.w13) != hidden:
+        raise ValueError(f"experts take {packed_inputs(present.w13)} features, h has {hidden}")
     idx = indices.to(torch.int64).contiguous()
     rw = weights.float().contiguous()
     nwork, niwork = _ext.work_sizes(t, top_k, hidden, inter, len(experts))

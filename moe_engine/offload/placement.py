@@ -131,14 +131,14 @@ def measure_expert_profile(backend, expert: ExpertWeights,
     silicon never pays), instead of flipping on timing noise between two measurements.
     """
     from moe_engine.model.layers import moe_ffn
-    from moe_engine.model.packed import is_packed
+    from moe_engine.model.packed import is_packed, packed_inputs
 
     host = expert.map(lambda t: t.contiguous())  # scales too, for quantized experts
     # Packed experts (the CPU kernels) take fp32 activations whatever their storage.
     act_dtype = torch.float32 if is_packed(host) else host.w13.dtype
     same_silicon = backend.device_is_host
     dev = host if same_silicon else host.map(backend.to_device)
-    hidden = host.w13.shape[1]
+    hidden = packed_inputs(host.w13) if is_packed(host) else host.w13.shape[1]
     cpu_s, dev_s = [], []
     for n in token_counts:
         x = torch.randn(n, hidden, dtype=act_dtype)
