@@ -12,6 +12,11 @@ is ~8x slower than fp32 on CPUs without native bf16).
   .venv/bin/python bench/engine_throughput.py                    # ~10 minutes on 2 cores
   .venv/bin/python bench/engine_throughput.py --batches 64 --no-baseline
   MOE_BATCH_ISA=avx2 .venv/bin/python bench/engine_throughput.py # force the AVX2 build
+  .venv/bin/python bench/engine_throughput.py --matmul-precision medium,highest --no-baseline
+
+--matmul-precision takes a list: each runs every N, side by side; the roofline of medium (bf16
+activations on bf16 pairs) uses the bf16 dot-product peak measured in the same run, and the
+RESULT line, from the first precision, adds vs_<second>=<new tok/s ratio at the largest N>.
 
 The last line printed is:
   RESULT new_tok_s=<x> decode_tok_s=<y> prefill_tok_s=<z> roofline_fraction=<f> vs_baseline=<r>
@@ -60,10 +65,11 @@ def workload(n: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0
                     sampling=sp) for i in range(n)]
 
 
-def run(model_dir: Path, n: int, args, dtype: str, gemm: str) -> dict:
+def run(model_dir: Path, n: int, args, dtype: str, gemm: str, precision: str = "highest") -> dict:
     config = EngineConfig(threads=args.threads, kv_cache_gb=args.kv_cache_gb, max_num_seqs=n,
                           max_prefill_tokens=args.max_prefill_tokens, num_micro_batches=1,
-                          policy="config", gemm=gemm, expert_dtype=args.expert_dtype)
+                          policy="config", gemm=gemm, expert_dtype=args.expert_dtype,
+                          matmul_precision=precision)
     engine = LLMEngine(model_dir, config, dtype=dtype)
     requests = workload(n, args.prompt_len, args.new_tokens, engine.spec.vocab_size)
     t0 = time.perf_counter()
@@ -96,6 +102,8 @@ def main() -> None:
     ap.add_argument("--expert-dtype", default="auto", help="auto|bf16|fp32|int8|int4")
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
     ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument("--matmul-precision", default="highest",
+                    help="highest|medium, or a list run side by side (medium,highest)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -108,18 +116,29 @@ def main() -> None:
     print(f"# roofs: read {bw:.1f} GB/s, FMA peak {peak:.0f} GFLOP/s (fp32); {args.prompt_len}-token "
           f"random prompts, {args.new_tokens} new tokens, EOS ignored", flush=True)
 
-    rows = []
+    precisions = args.matmul_precision.split(",")
+    peaks = {"highest": peak}
+    if "medium" in precisions:
+        peaks["medium"] = machine_info.fma_peak_gflops(args.threads, kind="bf16_dot")
+        print(f"# medium's compute roof: bf16 dot-product peak {peaks['medium']:.0f} GFLOP/s",
+              flush=True)
+    rows, last_of = [], {}
     for n in [int(x) for x in args.batches.split(",")]:
-        r = run(model_dir, n, args, args.dtype, "auto")
-        bound = roofline_seconds(r["spec"], r["weights_bytes"], [args.prompt_len] * n,
-                                 args.new_tokens, n, bw, peak, kv_elem=r["kv_elem"])
-        r["roofline_tok_s"] = n * args.new_tokens / bound["total_s"]
-        r["roofline_fraction"] = r["new_tok_s"] / r["roofline_tok_s"]
-        rows.append(r)
-        print(f"N={n:4d} {r['gemm']}: new {r['new_tok_s']:.1f} tok/s, prefill "
-              f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, wall "
-              f"{r['wall_s']:.1f} s; roofline {r['roofline_tok_s']:.0f} tok/s -> "
-              f"{r['roofline_fraction']:.2f}; time {r['time']}", flush=True)
+        for precision in precisions:
+            r = run(model_dir, n, args, args.dtype, "auto", precision)
+            bound = roofline_seconds(r["spec"], r["weights_bytes"], [args.prompt_len] * n,
+                                     args.new_tokens, n, bw, peaks[precision],
+                                     kv_elem=r["kv_elem"])
+            r["roofline_tok_s"] = n * args.new_tokens / bound["total_s"]
+            r["roofline_fraction"] = r["new_tok_s"] / r["roofline_tok_s"]
+            r["precision"] = precision
+            last_of[precision] = r
+            if precision == precisions[0]:
+                rows.append(r)
+            print(f"N={n:4d} {precision} {r['gemm']}: new {r['new_tok_s']:.1f} tok/s, prefill "
+                  f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, wall "
+                  f"{r['wall_s']:.1f} s; roofline {r['roofline_tok_s']:.0f} tok/s -> "
+                  f"{r['roofline_fraction']:.2f}; time {r['time']}", flush=True)
     last = rows[-1]
     ratio = float("nan")
     if not args.no_baseline:
@@ -133,7 +152,9 @@ def main() -> None:
                                          for r in rows], indent=2))
     print(f"RESULT new_tok_s={last['new_tok_s']:.1f} decode_tok_s={last['decode_tok_s']:.1f} "
           f"prefill_tok_s={last['prefill_tok_s']:.1f} roofline_fraction={last['roofline_fraction']:.2f} "
-          f"vs_baseline={ratio:.2f}")
+          f"vs_baseline={ratio:.2f}"
+          + (f" vs_{precisions[1]}={last['new_tok_s'] / last_of[precisions[1]]['new_tok_s']:.2f}"
+             if len(precisions) > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ enum moe_wdtype {
     MOE_W_BF16P = 6
 };
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
+enum moe_probe { MOE_PROBE_FMA = 0, MOE_PROBE_BF16_DOT = 1 };
 /* The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped form
  * (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), up clamped to [-limit, limit]. */
 enum moe_glu_kind { MOE_GLU_SILU = 0, MOE_GLU_CLAMPED = 1 };
@@ -117,8 +118,10 @@ typedef struct {
     int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx, const float *weight,
                     int top_k, const moe_expert *experts, int num_experts, const moe_glu *glu,
                     float *out, float *work, int32_t *iwork, int nthreads);
-    /* FLOP/s probe: n iterations of 12 FMA chains per thread; returns a checksum. */
-    double (*fma_probe)(int64_t n, int nthreads);
+    /* FLOP/s probe: n iterations of 12 chains per thread of fp32 FMAs (MOE_PROBE_FMA) or of
+     * bf16 pair dot products (MOE_PROBE_BF16_DOT: vdpbf16ps, two multiply-adds a lane, where
+     * the build has it; elsewhere the two FMAs bf16p weights cost); returns a checksum. */
+    double (*fma_probe)(int64_t n, int nthreads, int kind);
     /* Paged decode attention, one task per (sequence, KV head) on nthreads threads; head_dim a
      * multiple of `lanes`; block ids and context lengths already checked by the caller (they
      * index memory). fp32 online softmax and accumulation; a sequence with no context gets

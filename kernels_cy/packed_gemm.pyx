@@ -103,12 +103,15 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
         raise MemoryError("moe_ffn: scratch allocation failed")
 
 
-def fma_probe(int64_t n, int nthreads, int isa):
-    """Checksum of n iterations of 12 independent FMA chains per thread (the FLOP/s probe:
-    n * 12 * lanes * 2 FLOP per thread)."""
+PROBE_FMA, PROBE_BF16_DOT = MOE_PROBE_FMA, MOE_PROBE_BF16_DOT
+
+
+def fma_probe(int64_t n, int nthreads, int isa, int kind=MOE_PROBE_FMA):
+    """Checksum of n iterations of 12 independent chains per thread (the FLOP/s probe: n * 12 *
+    lanes * 2 FLOP per thread for PROBE_FMA, twice that for PROBE_BF16_DOT)."""
     cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef double r
     nthreads = max(nthreads, 1)
     with nogil:
-        r = ops.fma_probe(n, nthreads)
+        r = ops.fma_probe(n, nthreads, kind)
     return r

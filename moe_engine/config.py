@@ -69,6 +69,19 @@ class ExpertDType(str, Enum):
         return self in (ExpertDType.int8, ExpertDType.int4, ExpertDType.mxfp4)
 
 
+class MatmulPrecision(str, Enum):
+    """How the packed CPU kernels multiply, in torch.set_float32_matmul_precision's words.
+    highest: fp32 activations against the weights widened to fp32 in registers (transformers'
+    fp32 logits within 1e-4, its greedy tokens). medium: activations rounded to bf16 before each
+    GEMM, against weights held in bf16 (an fp32 checkpoint's rounded; fp16 and quantized
+    storage unchanged), so a CPU with AVX512-BF16 does two multiply-adds per lane and
+    instruction (~2x the GEMMs); other CPUs compute the same products in fp32 FMAs, no faster.
+    Both are batch invariant."""
+
+    highest = "highest"
+    medium = "medium"
+
+
 class PolicySource(str, Enum):
     search = "search"
     config = "config"
@@ -151,6 +164,7 @@ class EngineConfig:
     # (experts in expert_dtype), instead of torch GEMMs in model.dtype.
     gemm: GemmImpl = GemmImpl.auto
     expert_dtype: ExpertDType = ExpertDType.auto
+    matmul_precision: MatmulPrecision = MatmulPrecision.highest  # medium: bf16 activations
     kv_dtype: DType = DType.auto  # KV cache storage; auto = model.dtype
     policy: PolicySource = PolicySource.search
     resident_ratio: float = 1.0
@@ -449,6 +463,11 @@ def validate(cfg: AppConfig) -> None:
            "engine.expert_dtype", e.expert_dtype.value,
            "quantized experts run on the packed CPU kernels (engine.backend=cpu, engine.gemm "
            "auto or packed)")
+    _check(not (e.matmul_precision is MatmulPrecision.medium
+                and (e.gemm is GemmImpl.torch or not on_cpu)),
+           "engine.matmul_precision", e.matmul_precision.value,
+           "medium (bf16 activations) runs on the packed CPU kernels (engine.backend=cpu, "
+           "engine.gemm auto or packed)")
 
 
 def to_yaml(cfg: AppConfig) -> str:

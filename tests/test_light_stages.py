@@ -204,3 +204,10 @@ def test_policy_sizes_the_experts_the_engine_will_hold():
     assert held(["engine.expert_dtype=bf16"], "mxfp4") is None
     assert held(["engine.gemm=torch"], "mxfp4") is None
     assert held(["engine.backend=cuda"], "mxfp4") is None
+    # medium matmul precision holds float experts as bf16 pairs on the packed kernels
+    medium = "engine.matmul_precision=medium"
+    assert held([medium], None) == "bf16p"
+    assert held_expert_storage(compose([medium]).engine, None, "float32") == "bf16p"
+    assert held_expert_storage(compose([medium]).engine, None, "float16") is None
+    assert held([medium, "engine.expert_dtype=int8"], None) == "int8"
+    assert held([medium], "mxfp4") == "mxfp4"

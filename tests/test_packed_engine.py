@@ -1,7 +1,9 @@
 """The engine on the packed CPU kernels: a bf16 checkpoint runs with its weights kept in bf16 and
 fp32 activations, and matches transformers run in fp32 on the same (upcast) weights; torch's
 GEMM path stays at parity too; a row's logits are bitwise the same alone and inside batches of
-7 and 64 (batch invariance); quantized experts run and stay close to bf16."""
+7 and 64 (batch invariance); quantized experts run and stay close to bf16; medium matmul
+precision (bf16 activations on bf16 pairs) runs every GEMM in that storage, stays close to
+highest and is batch invariant too."""
 from __future__ import annotations
 
 import dataclasses
@@ -114,6 +116,40 @@ def test_quantized_experts_generate_close_to_bf16(expert_dtype, tiny_mixtral_dir
     assert (quant[0] - base[0]).abs().max().item() < bound * base[0].abs().max().item()
 
 
+def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtral_dir):
+    def run(precision):
+        engine = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
+                                                          matmul_precision=precision),
+                           dtype="bfloat16")
+        return engine, _logits_of(engine, _requests([0, 3]), "0")
+
+    _, highest = run("highest")
+    engine, medium = run("medium")
+    assert "weights bf16p, experts bf16p" in engine.gemm_path
+    assert engine.spec.expert_storage == "bf16p"  # the model prices the bf16p kernel
+    layer = next(layer for layer in engine.runner.weights.layers if layer.experts)
+    assert layer.dense.wqkv.storage == "bf16p" and layer.experts[0].w13.dtype == torch.int32
+    assert layer.dense.router.storage == "fp32"  # routing decisions keep fp32 logits
+    assert not torch.equal(medium, highest)  # the activations really are rounded
+    # first step, same tokens in both: bf16 activations (8 mantissa bits) leave the logits
+    # within ~1% of their range on random weights; a wrong layout would be off by their size
+    assert (medium[0] - highest[0]).abs().max().item() < 0.03 * highest[0].abs().max().item()
+
+
+def test_medium_precision_rows_are_bitwise_identical_alone_and_in_batches(tiny_mixtral_dir):
+    engine = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.05,
+                                                      num_micro_batches=3,
+                                                      matmul_precision="medium"))
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    target = Request("target", prompt=PROMPTS[4], sampling=sp)
+    alone = _logits_of(engine, [target], "target")
+    for size in (7, 64):
+        others = [Request(f"o{i}", prompt=PROMPTS[i % len(PROMPTS)] + " y" * (i % 3), sampling=sp)
+                  for i in range(size - 1)]
+        assert torch.equal(_logits_of(engine, others[:3] + [target] + others[3:], "target"),
+                           alone), size
+
+
 def test_packed_gemm_on_cuda_is_a_config_error():
     from moe_engine.config import ConfigError, compose
 
@@ -121,5 +157,9 @@ def test_packed_gemm_on_cuda_is_a_config_error():
         compose(["engine.backend=cuda", "engine.gemm=packed"])
     with pytest.raises(ConfigError, match="engine.expert_dtype"):
         compose(["engine.expert_dtype=int4", "engine.gemm=torch"])
+    with pytest.raises(ConfigError, match="engine.matmul_precision.*medium"):
+        compose(["engine.matmul_precision=medium", "engine.gemm=torch"])
+    with pytest.raises(ConfigError, match="engine.matmul_precision"):
+        compose(["engine.matmul_precision=low"])
     # Quantized experts page like any other now (the pager moves their scales with them).
     compose(["engine.expert_dtype=int4", "engine.resident_ratio=0.5", "engine.policy=config"])

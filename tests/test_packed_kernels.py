@@ -296,3 +296,10 @@ def test_unsupported_isa_is_refused_not_run():
 
 def test_fma_probe_measures_a_positive_rate():
     assert packed.fma_peak_flops(seconds=0.01, threads=1) > 1e8
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_dot_probe_measures_a_positive_rate_on_every_isa(isa):
+    assert packed.fma_peak_flops(seconds=0.01, threads=1, isa=isa, kind="bf16_dot") > 1e8
+    with pytest.raises(ValueError, match="probe"):
+        packed.fma_peak_flops(seconds=0.01, kind="int8")

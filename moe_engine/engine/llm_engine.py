@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from moe_engine.config import DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl
+from moe_engine.config import (DeviceKind, DType, EngineConfig, ExpertDType, GemmImpl,
+                               MatmulPrecision)
 from moe_engine.engine.block_manager import BlockAllocator, WindowPool
 from moe_engine.engine.calibrate import find_or_record_routing, record_bundled_routing
 from moe_engine.engine.memory import rss_bytes
@@ -31,7 +32,7 @@ from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, kv_pool_blocks
 from moe_engine.model import packed
 from moe_engine.model.loader import load_weights, resolve_dtype
-from moe_engine.model.spec import EXPERT_STORAGE_BITS, load_spec
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, load_spec, precision_storage
 from moe_engine.offload.disk import DiskReadError
 from moe_engine.offload.build import build_offload_pipeline, expert_source, offload_settings
 from moe_engine.offload.routing import find_profile
@@ -73,12 +74,20 @@ class LLMEngine:
         weights = load_weights(model_dir, self.spec, self.dtype, experts=not disk_tier,
                                keep_quantized=self.gemm == "packed")
         self.expert_storage: Optional[str] = None
+        self.weight_storage: Optional[str] = None  # the packed projections' storage
         if self.gemm == "packed":
+            precision = MatmulPrecision(config.matmul_precision).value
             storage = packed.storage_name(self.dtype)
             experts = ExpertDType(config.expert_dtype)
-            self.expert_storage = ((self.spec.expert_storage or storage)
-                                   if experts is ExpertDType.auto else experts.value)
-            weights = packed.pack_model(weights, storage, self.expert_storage)
+            self.expert_storage = precision_storage(
+                (self.spec.expert_storage or storage) if experts is ExpertDType.auto
+                else experts.value, precision)
+            self.weight_storage = precision_storage(storage, precision)
+            if precision == "medium" and packed.ISA != "avx512bf16":
+                log.warning("engine.matmul_precision=medium on ISA %s: no AVX512-BF16, so the "
+                            "bf16 products run as fp32 FMAs (same results, no faster than "
+                            "highest)", packed.ISA)
+            weights = packed.pack_model(weights, self.weight_storage, self.expert_storage)
         elif self.spec.expert_storage is not None:
             log.warning("%s experts widened to %s in memory: torch's GEMMs (engine.gemm=torch or "
                         "a device backend) have no %s path; the packed CPU kernels run them as "
@@ -186,7 +195,7 @@ class LLMEngine:
         if self.spec is None:
             return ""
         if self.gemm == "packed":
-            return (f"packed kernels, ISA {packed.ISA}, weights {packed.storage_name(self.dtype)}, "
+            return (f"packed kernels, ISA {packed.ISA}, weights {self.weight_storage}, "
                     f"experts {self.expert_storage}")
         return f"torch {str(self.dtype).replace('torch.', '')}"
 
@@ -398,8 +407,10 @@ def _gemm_impl(config: EngineConfig) -> str:
     if gemm is GemmImpl.torch or DeviceKind(config.backend) is not DeviceKind.cpu:
         return "torch"
     if not packed.HAS_PACKED_KERNELS:
-        if gemm is GemmImpl.packed or ExpertDType(config.expert_dtype).quantized:
-            raise RuntimeError("engine.gemm=packed (or quantized experts) needs the packed CPU "
-                               "kernels, which are not built (python setup.py build_ext --inplace)")
+        if (gemm is GemmImpl.packed or ExpertDType(config.expert_dtype).quantized
+                or MatmulPrecision(config.matmul_precision) is MatmulPrecision.medium):
+            raise RuntimeError("engine.gemm=packed (or quantized experts, or "
+                               "engine.matmul_precision=medium) needs the packed CPU kernels, "
+                               "which are not built (python setup.py build_ext --inplace)")
         return "torch"
     return "packed"

@@ -13,9 +13,10 @@ Layouts are described in kernels_cy/moe_isa.h; this module builds them with torc
   per panel so that the kernel applies SiLU(gate) * up (or GPT-OSS's clamped form, with its
   biases) on its register tile. An MXFP4 expert as loaded (model/mxfp4.py) is packed from its
   codes, never widened.
-The ISA build is chosen once, at import, from CPUID (`ISA`); `MOE_BATCH_ISA=avx2|avx512|avx512bf16|generic`
-forces one the CPU supports (benchmarks and tests; `avx512bf16` is the AVX-512 build plus
-vdpbf16ps for bf16p weights), and every function takes `isa=` too.
+The ISA build is chosen once, at import, from CPUID (`ISA`);
+`MOE_BATCH_ISA=avx2|avx512|avx512bf16|generic` forces one the CPU supports (benchmarks and
+tests; `avx512bf16` is the AVX-512 build plus vdpbf16ps for bf16p weights), and every function
+takes `isa=` too.
 """
 from __future__ import annotations
 
@@ -402,16 +403,22 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
 
 
 def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
-                   isa: Optional[str] = None) -> float:
-    """Achieved FLOP/s of a register-blocked FMA loop on `threads` threads (the compute roof)."""
+                   isa: Optional[str] = None, kind: str = "fma") -> float:
+    """Achieved FLOP/s of a register-blocked loop on `threads` threads (the compute roof): fp32
+    FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, vdpbf16ps
+    on the avx512bf16 build, two FMAs a pair elsewhere)."""
     import time
     _require_kernels()
+    kinds = {"fma": (_ext.PROBE_FMA, 2), "bf16_dot": (_ext.PROBE_BF16_DOT, 4)}
+    if kind not in kinds:
+        raise ValueError(f"unknown probe {kind!r}; choose one of {sorted(kinds)}")
+    probe, flops_per_lane = kinds[kind]
     code, nthreads = isa_code(isa), _threads(threads)
-    per_iter = 12 * _ext.lanes(code) * 2 * nthreads
+    per_iter = 12 * _ext.lanes(code) * flops_per_lane * nthreads
     n = 1 << 16
     while True:
         t0 = time.perf_counter()
-        _ext.fma_probe(n, nthreads, code)
+        _ext.fma_probe(n, nthreads, code, probe)
         dt = time.perf_counter() - t0
         if dt >= seconds:
             return n * per_iter / dt

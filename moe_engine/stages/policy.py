@@ -19,6 +19,7 @@ import polars as pl
 
 from moe_engine.config import AppConfig, DeviceKind, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.io import hardware_cache_dir, write_text_atomic
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, FLOAT_STORAGE, precision_storage
 from moe_engine.stages.tables import STATUS_PENDING
 
 
@@ -45,7 +46,8 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     lengths, gen_len = shard_lengths(cfg, shards)
     dtype = cfg.model.dtype.value
     model = perf.ModelSpec.from_hf_config(model_dir, dtype=dtype)
-    model = model.with_expert_storage(held_expert_storage(cfg.engine, model.expert_storage))
+    model = model.with_expert_storage(held_expert_storage(cfg.engine, model.expert_storage,
+                                                          model.torch_dtype))
     if cfg.hardware.profile == "auto":
         ensure_machine_profile(model, model_dir, dtype)
     hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
@@ -55,16 +57,24 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     return {"source": "search", **result.to_json(), "engine": _knobs(chosen)}
 
 
-def held_expert_storage(engine, checkpoint_storage: Optional[str]) -> Optional[str]:
-    """The quantized storage the engine will hold routed experts in (None: the model dtype), as
-    LLMEngine decides it: a quantized engine.expert_dtype; with auto, the checkpoint's own
-    (MXFP4) on the packed CPU kernels, widened on torch's GEMMs (engine.gemm=torch, a device
-    backend); a float expert_dtype widens."""
+def held_expert_storage(engine, checkpoint_storage: Optional[str],
+                        model_dtype: str = "bfloat16") -> Optional[str]:
+    """The storage the engine will hold routed experts in when it is not `model_dtype` (None:
+    the model dtype), as LLMEngine decides it: a quantized engine.expert_dtype; with auto, the
+    checkpoint's own (MXFP4) on the packed CPU kernels, widened on torch's GEMMs (engine.gemm=
+    torch, a device backend); a float expert_dtype widens; and on the packed kernels under
+    engine.matmul_precision=medium, bf16 or fp32 experts become bf16 pairs (bf16p)."""
     choice = engine.expert_dtype
     if choice.quantized:
         return choice.value
     packed_path = engine.backend is DeviceKind.cpu and engine.gemm is not GemmImpl.torch
-    return checkpoint_storage if choice is ExpertDType.auto and packed_path else None
+    if choice is ExpertDType.auto and packed_path and checkpoint_storage is not None:
+        return checkpoint_storage
+    if packed_path:
+        floats = FLOAT_STORAGE[model_dtype] if choice is ExpertDType.auto else choice.value
+        held = precision_storage(floats, engine.matmul_precision.value)
+        return held if held in EXPERT_STORAGE_BITS else None
+    return None
 
 
 def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:

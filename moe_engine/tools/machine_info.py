@@ -81,8 +81,9 @@ def read_bandwidth_gbps(threads: int, mib: int = 1024, repeats: int = 5) -> floa
     return buf.nbytes / best / 1e9
 
 
-def fma_peak_gflops(threads: int, seconds: float = 0.5) -> float:
-    """The FMA roof: a register-blocked FMA loop in the packed kernels' chosen ISA."""
+def fma_peak_gflops(threads: int, seconds: float = 0.5, kind: str = "fma") -> float:
+    """The compute roof: a register-blocked loop in the packed kernels' chosen ISA of fp32 FMAs,
+    or of bf16 pair dot products (kind "bf16_dot": the roof of bf16p weights)."""
     from moe_engine.model import packed
 
-    return packed.fma_peak_flops(seconds, threads) / 1e9
+    return packed.fma_peak_flops(seconds, threads, kind=kind) / 1e9
