@@ -1,10 +1,13 @@
-"""Benchmark (issues 12, 15): what int8, int4 and MXFP4 experts cost in accuracy against bf16.
+"""Benchmark (issues 12, 15): what int8, int4 and MXFP4 experts, and medium matmul precision,
+cost in accuracy against bf16.
 
 small-mixtral (bf16 checkpoint, random weights) over the bundled corpus (data/sample_prompts.jsonl,
 chat rows through the chat template): every prompt's first-token logits with experts in bf16
 (the reference), int8 (per output channel), int4 (per group of 32 inputs) and MXFP4 (E2M1
 values, a power-of-two scale per 32 inputs: GPT-OSS's released format), everything else
-identical (dense weights bf16, fp32 activations and KV). Reported per expert dtype:
+identical (dense weights bf16, fp32 activations and KV); and "medium" (engine.matmul_precision=
+medium: every GEMM's activations rounded to bf16, weights as bf16 pairs, experts bf16). Reported
+per variant:
   max_abs     the largest |logit difference| over all prompts and the vocabulary
   kl          mean KL(softmax(bf16) || softmax(quantized)) over prompts, in nats
   top1        fraction of prompts whose greedy next token is the same
@@ -18,6 +21,7 @@ logit margins, so more of their greedy choices survive the same weight error.
 
 The last line printed is:
   RESULT int8_top1=<x> int8_kl=<y> int4_top1=<z> int4_kl=<w> mxfp4_top1=<u> mxfp4_kl=<v>
+         medium_top1=<a> medium_kl=<b>
 """
 from __future__ import annotations
 
@@ -37,7 +41,9 @@ from moe_engine.engine.llm_engine import LLMEngine  # noqa: E402
 from moe_engine.engine.request import Request, SamplingParams  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
 
-QUANTIZED = ("int8", "int4", "mxfp4")
+# variant -> (engine.expert_dtype, engine.matmul_precision)
+VARIANTS = {"int8": ("int8", "highest"), "int4": ("int4", "highest"),
+            "mxfp4": ("mxfp4", "highest"), "medium": ("bf16", "medium")}
 
 
 def corpus_requests(n: int, new_tokens: int) -> list[Request]:
@@ -47,11 +53,13 @@ def corpus_requests(n: int, new_tokens: int) -> list[Request]:
             for r in rows]
 
 
-def run(model_dir: Path, expert_dtype: str, requests: list[Request], threads: int):
+def run(model_dir: Path, expert_dtype: str, requests: list[Request], threads: int,
+        precision: str = "highest"):
     """First-step logits per request id, and each request's generated tokens."""
     engine = LLMEngine(model_dir, EngineConfig(threads=threads, kv_cache_gb=2.0, kv_dtype="float32",
                                                max_num_seqs=len(requests), policy="config",
-                                               expert_dtype=expert_dtype))
+                                               expert_dtype=expert_dtype,
+                                               matmul_precision=precision))
     first: dict[str, torch.Tensor] = {}
 
     def observe(seqs, logits):
@@ -97,15 +105,15 @@ def main() -> None:
     ref_logits, ref_tokens, path = run(model_dir, "bf16", requests, args.threads)
     print(f"reference: {path}; {len(requests)} prompts, {args.new_tokens} new tokens", flush=True)
     results = {}
-    for dtype in QUANTIZED:
-        logits, tokens, path = run(model_dir, dtype, requests, args.threads)
+    for dtype, (expert_dtype, precision) in VARIANTS.items():
+        logits, tokens, path = run(model_dir, expert_dtype, requests, args.threads, precision)
         results[dtype] = compare((ref_logits, ref_tokens), (logits, tokens))
         r = results[dtype]
         print(f"{dtype}: max |logit diff| {r['max_abs']:.4f}, mean KL {r['kl']:.2e} nats, "
               f"top-1 agreement {r['top1']:.3f}, greedy sequence agreement {r['seq_agree']:.3f} "
               f"({path})", flush=True)
     print("RESULT " + " ".join(f"{d}_top1={results[d]['top1']:.3f} {d}_kl={results[d]['kl']:.2e}"
-                               for d in QUANTIZED))
+                               for d in VARIANTS))
 
 
 if __name__ == "__main__":
