@@ -29,10 +29,12 @@
  *       vdpbf16ps does both multiply-adds of a pair in each lane; builds without it widen both
  *       halves and do the two FMAs (the odd product first, as the instruction's definition),
  *       which matches the instruction up to its last bit (its rounding inside the pair is the
- *       hardware's: ~1% of lanes differ by an ulp on AMD Zen 4).
+ *       hardware's: ~1% of lanes differ by an ulp on AMD Zen 4) and subnormals (vdpbf16ps
+ *       flushes them to zero, the emulation keeps them).
  * Every ISA computes each output as one fp32 FMA chain over k in increasing order, so a row's
  * result does not depend on the other rows of the call (batch invariance) nor on the ISA when
- * the ISA has FMA.
+ * the ISA has FMA (bf16p: the FMA builds agree with each other; vdpbf16ps differs by its own
+ * rounding, above).
  */
 #ifndef MOE_ISA_H
 #define MOE_ISA_H
@@ -114,7 +116,8 @@ typedef struct {
      * down(glu(gate|up(x) + b13)) + b2. experts[e].w13.data NULL means
      * the expert is absent (its rows must not occur). work and iwork are scratch of
      * moe_ffn_work_floats and moe_ffn_iwork_ints. Returns 0, -1 for an index naming an absent or
-     * out-of-range expert, -2 when out of memory. */
+     * out-of-range expert, -2 when out of memory, -3 when the present experts mix bf16p with
+     * other storage. */
     int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx, const float *weight,
                     int top_k, const moe_expert *experts, int num_experts, const moe_glu *glu,
                     float *out, float *work, int32_t *iwork, int nthreads);

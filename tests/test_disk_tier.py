@@ -325,13 +325,15 @@ def test_a_one_slot_ring_and_per_micro_batch_grouping_give_identical_tokens(mixt
     assert _tokens(mixtral_dir, grouped) == reference
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("storage", ["int8", "int4", "bf16p"])
 def test_quantized_experts_page_from_disk_like_resident_ones(mixtral_dir, storage):
-    resident = _tokens(mixtral_dir, replace(CONFIG, expert_dtype=storage))
-    assert _tokens(mixtral_dir, replace(CONFIG, expert_dtype=storage,
-                                        host_resident_ratio=0.25)) == resident
-    assert _tokens(mixtral_dir, replace(CONFIG, expert_dtype=storage,
-                                        resident_ratio=0.5, cpu_experts=False)) == resident
+    # bf16p: medium matmul precision's bf16 pairs (int32 words) page as any other storage
+    knobs = ({"matmul_precision": "medium"} if storage == "bf16p"
+             else {"expert_dtype": storage})
+    resident = _tokens(mixtral_dir, replace(CONFIG, **knobs))
+    assert _tokens(mixtral_dir, replace(CONFIG, **knobs, host_resident_ratio=0.25)) == resident
+    assert _tokens(mixtral_dir, replace(CONFIG, **knobs, resident_ratio=0.5,
+                                        cpu_experts=False)) == resident
 
 
 def test_a_checkpoint_changed_under_a_running_job_fails_naming_the_file(builtin_dir, tmp_path):

@@ -251,13 +251,16 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
         assert torch.equal(lin_out[pos], alone_lin[0])
 
 
-def test_fma_isas_agree_bitwise():
-    # AVX512BF16 runs bf16 weights with the AVX-512 code: it joins the comparison
-    fma = [isa for isa in ISAS if isa != "generic"]
+@pytest.mark.parametrize("storage", ["bf16", "bf16p"])
+def test_fma_isas_agree_bitwise(storage):
+    # AVX512BF16 runs bf16 weights with the AVX-512 code: it joins the comparison; bf16p runs
+    # there on vdpbf16ps (compared with a tolerance below), on the others as FMAs
+    fma = [isa for isa in ISAS if isa != "generic" and not (storage == "bf16p"
+                                                              and isa == "avx512bf16")]
     if len(fma) < 2:
         pytest.skip("one FMA-capable ISA build on this CPU")
     torch.manual_seed(1)
-    _, _, experts = _experts(4, 64, 48, "bf16")
+    _, _, experts = _experts(4, 64, 48, storage)
     h, idx, wts = torch.randn(33, 64), torch.randint(0, 4, (33, 1)), torch.rand(33, 1)
     outs = [packed.packed_moe_ffn(experts, h, wts, idx, isa=isa) for isa in fma]
     assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -83,10 +83,15 @@ class LLMEngine:
                 (self.spec.expert_storage or storage) if experts is ExpertDType.auto
                 else experts.value, precision)
             self.weight_storage = precision_storage(storage, precision)
-            if precision == "medium" and packed.ISA != "avx512bf16":
-                log.warning("engine.matmul_precision=medium on ISA %s: no AVX512-BF16, so the "
-                            "bf16 products run as fp32 FMAs (same results, no faster than "
-                            "highest)", packed.ISA)
+            if precision == "medium" and packed.PAIR_STORAGE not in (self.weight_storage,
+                                                                      self.expert_storage):
+                log.warning("engine.matmul_precision=medium changes nothing here: weights %s, "
+                            "experts %s (medium applies to bf16 and fp32 weights)",
+                            self.weight_storage, self.expert_storage)
+            elif precision == "medium" and packed.ISA != "avx512bf16":
+                log.warning("engine.matmul_precision=medium on the %s kernel build, which has "
+                            "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
+                            "results, no faster than highest)", packed.ISA)
             weights = packed.pack_model(weights, self.weight_storage, self.expert_storage)
         elif self.spec.expert_storage is not None:
             log.warning("%s experts widened to %s in memory: torch's GEMMs (engine.gemm=torch or "

@@ -71,8 +71,8 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
     if choice is ExpertDType.auto and packed_path and checkpoint_storage is not None:
         return checkpoint_storage
     if packed_path:
-        floats = FLOAT_STORAGE[model_dtype] if choice is ExpertDType.auto else choice.value
-        held = precision_storage(floats, engine.matmul_precision.value)
+        floats = FLOAT_STORAGE.get(model_dtype) if choice is ExpertDType.auto else choice.value
+        held = precision_storage(floats, engine.matmul_precision.value) if floats else None
         return held if held in EXPERT_STORAGE_BITS else None
     return None
 
