@@ -84,9 +84,13 @@ def _logits_of(engine, requests, rid):
                                     "tiny-deepseek-v3", "tiny-deepseek-v2", "tiny-gpt-oss",
                                     "tiny-ernie45-moe", "tiny-llama4"])
 def test_row_logits_are_bitwise_identical_alone_and_in_batches_of_7_and_64(preset, builtin_dir):
-    engine = LLMEngine(builtin_dir(preset), EngineConfig(threads=2, kv_cache_gb=0.05,
-                                                         num_micro_batches=3))
-    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    _assert_batch_invariant(LLMEngine(builtin_dir(preset), EngineConfig(
+        threads=2, kv_cache_gb=0.05, num_micro_batches=3)), new_tokens=6)
+
+
+def _assert_batch_invariant(engine: LLMEngine, new_tokens: int) -> None:
+    """One prompt's logits alone, and inside batches of 7 and 64 (3 micro-batches), bitwise."""
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     target = Request("target", prompt=PROMPTS[4], sampling=sp)
     alone = _logits_of(engine, [target], "target")
     for size in (7, 64):
@@ -137,17 +141,9 @@ def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtr
 
 
 def test_medium_precision_rows_are_bitwise_identical_alone_and_in_batches(tiny_mixtral_dir):
-    engine = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.05,
-                                                      num_micro_batches=3,
-                                                      matmul_precision="medium"))
-    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    target = Request("target", prompt=PROMPTS[4], sampling=sp)
-    alone = _logits_of(engine, [target], "target")
-    for size in (7, 64):
-        others = [Request(f"o{i}", prompt=PROMPTS[i % len(PROMPTS)] + " y" * (i % 3), sampling=sp)
-                  for i in range(size - 1)]
-        assert torch.equal(_logits_of(engine, others[:3] + [target] + others[3:], "target"),
-                           alone), size
+    _assert_batch_invariant(LLMEngine(tiny_mixtral_dir, EngineConfig(
+        threads=2, kv_cache_gb=0.05, num_micro_batches=3, matmul_precision="medium")),
+        new_tokens=4)
 
 
 def test_packed_gemm_on_cuda_is_a_config_error():
