@@ -19,16 +19,15 @@ import tempfile
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 # ISA builds of the kernels: (source, compiler flags, macro telling isa_dispatch.c it exists)
 ISA_BUILDS = [
     ("isa_generic.c", [], None),
     ("isa_avx2.c", ["-mavx2", "-mfma", "-mf16c"], "MOE_BUILT_AVX2"),
-    ("isa_avx512.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-     "MOE_BUILT_AVX512"),
+    ("isa_avx512.c", AVX512_FLAGS, "MOE_BUILT_AVX512"),
     # AVX-512 plus vdpbf16ps (Zen 4, Sapphire Rapids on): bf16p weights only; dropped where the
     # compiler lacks -mavx512bf16 (GCC < 10)
-    ("isa_avx512bf16.c", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                          "-mfma", "-mf16c"], "MOE_BUILT_AVX512BF16"),
+    ("isa_avx512bf16.c", AVX512_FLAGS + ["-mavx512bf16"], "MOE_BUILT_AVX512BF16"),
 ]
 # Extensions that link the ISA builds and the dispatcher.
 ISA_EXTENSIONS = {"packed_gemm", "paged_attention"}

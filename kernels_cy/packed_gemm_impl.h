@@ -530,55 +530,45 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     return 0;
 }
 
-/* 12 chains of bf16 pair dot products: vdpbf16ps where the build has it, else the two FMAs
- * per pair the bf16p micro-kernel does (see fma_probe_impl). */
-static double dot_probe(int64_t n, int nthreads) {
+/* The FLOP/s probe (moe_isa_ops.fma_probe): 12 independent chains in named registers (an array
+ * would be spilled), more than FMA latency x FMA ports on every core seen so far, and fitting
+ * AVX2's 16 registers; each step of a chain is one fp32 FMA, or one bf16 pair dot product
+ * (vdpbf16ps where the build has it, else the two FMAs per pair the bf16p micro-kernel does). */
+static double fma_probe_impl(int64_t n, int nthreads, int kind) {
     double total = 0.0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
     {
-        /* bf16 pairs of ~1e-3: each step adds ~2e-6, far from overflow */
+        const vf m = bcast(0.999999f), c = bcast(1e-7f);
+        /* bf16 pairs of ~1e-3: each dot step adds ~2e-6, far from overflow */
         const uint32_t pair = 0x3a833a83u;
 #if VW == 16 && defined(__AVX512BF16__)
-        const __m512bh m = (__m512bh)_mm512_set1_epi32((int)pair);
-#define DOT(a) a = (vf)_mm512_dpbf16_ps((__m512)a, m, m)
+        const __m512bh mp = (__m512bh)_mm512_set1_epi32((int)pair);
+#define DOT(a) a = (vf)_mm512_dpbf16_ps((__m512)a, mp, mp)
 #else
+        const uint32_t pl = pair << 16, ph = pair & 0xffff0000u;
         float fl, fh;
-        const uint32_t wl = pair << 16, wh = pair & 0xffff0000u;
-        memcpy(&fl, &wl, 4);
-        memcpy(&fh, &wh, 4);
+        memcpy(&fl, &pl, 4);
+        memcpy(&fh, &ph, 4);
         const vf ml = bcast(fl), mh = bcast(fh);
 #define DOT(a) a = (a + mh * mh) + ml * ml
 #endif
-        vf a0 = (vf){0} + 0.f, a1 = (vf){0} + 1.f, a2 = (vf){0} + 2.f, a3 = (vf){0} + 3.f;
-        vf a4 = (vf){0} + 4.f, a5 = (vf){0} + 5.f, a6 = (vf){0} + 6.f, a7 = (vf){0} + 7.f;
-        vf a8 = (vf){0} + 8.f, a9 = (vf){0} + 9.f, a10 = (vf){0} + 10.f, a11 = (vf){0} + 11.f;
-        for (int64_t it = 0; it < n; it++) {
-            DOT(a0); DOT(a1); DOT(a2); DOT(a3); DOT(a4); DOT(a5);
-            DOT(a6); DOT(a7); DOT(a8); DOT(a9); DOT(a10); DOT(a11);
-        }
-#undef DOT
-        vf s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) + ((a8 + a9) + (a10 + a11));
-        for (int i = 0; i < VW; i++) total += s[i];
+#define FMA(a) a = a * m + c
+#define CHAINS(OP) \
+    for (int64_t it = 0; it < n; it++) { \
+        OP(a0); OP(a1); OP(a2); OP(a3); OP(a4); OP(a5); \
+        OP(a6); OP(a7); OP(a8); OP(a9); OP(a10); OP(a11); \
     }
-    return total;
-}
-
-static double fma_probe_impl(int64_t n, int nthreads, int kind) {
-    if (kind == MOE_PROBE_BF16_DOT) return dot_probe(n, nthreads);
-    double total = 0.0;
-#pragma omp parallel num_threads(nthreads) reduction(+ : total)
-    {
-        /* 12 independent chains in named registers (an array would be spilled): more than FMA
-         * latency x FMA ports on every core seen so far, and fits AVX2's 16 registers */
-        const vf m = bcast(0.999999f), c = bcast(1e-7f);
         vf a0 = (vf){0} + 0.f, a1 = (vf){0} + 1.f, a2 = (vf){0} + 2.f, a3 = (vf){0} + 3.f;
         vf a4 = (vf){0} + 4.f, a5 = (vf){0} + 5.f, a6 = (vf){0} + 6.f, a7 = (vf){0} + 7.f;
         vf a8 = (vf){0} + 8.f, a9 = (vf){0} + 9.f, a10 = (vf){0} + 10.f, a11 = (vf){0} + 11.f;
-        for (int64_t it = 0; it < n; it++) {
-            a0 = a0 * m + c; a1 = a1 * m + c; a2 = a2 * m + c; a3 = a3 * m + c;
-            a4 = a4 * m + c; a5 = a5 * m + c; a6 = a6 * m + c; a7 = a7 * m + c;
-            a8 = a8 * m + c; a9 = a9 * m + c; a10 = a10 * m + c; a11 = a11 * m + c;
+        if (kind == MOE_PROBE_BF16_DOT) {
+            CHAINS(DOT)
+        } else {
+            CHAINS(FMA)
         }
+#undef CHAINS
+#undef FMA
+#undef DOT
         vf s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) + ((a8 + a9) + (a10 + a11));
         for (int i = 0; i < VW; i++) total += s[i];
     }

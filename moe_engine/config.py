@@ -458,13 +458,12 @@ def validate(cfg: AppConfig) -> None:
     on_cpu = e.backend is DeviceKind.cpu
     _check(not (e.gemm is GemmImpl.packed and not on_cpu), "engine.gemm",
            e.gemm.value, "the packed kernels run on the CPU backend; use auto or torch with cuda")
-    quantized = e.expert_dtype.quantized
-    _check(not (quantized and (e.gemm is GemmImpl.torch or not on_cpu)),
+    packed_path = on_cpu and e.gemm is not GemmImpl.torch
+    _check(packed_path or not e.expert_dtype.quantized,
            "engine.expert_dtype", e.expert_dtype.value,
            "quantized experts run on the packed CPU kernels (engine.backend=cpu, engine.gemm "
            "auto or packed)")
-    _check(not (e.matmul_precision is MatmulPrecision.medium
-                and (e.gemm is GemmImpl.torch or not on_cpu)),
+    _check(packed_path or e.matmul_precision is not MatmulPrecision.medium,
            "engine.matmul_precision", e.matmul_precision.value,
            "medium (bf16 activations) runs on the packed CPU kernels (engine.backend=cpu, "
            "engine.gemm auto or packed)")

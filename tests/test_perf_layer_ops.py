@@ -145,11 +145,11 @@ def test_profile_yaml_rows_become_points():
     (ops,), (attention,) = hw.layer_ops_points, hw.prefill_attention_points
     assert (ops.layout, ops.tokens) == ("L", 8)
     assert (ops.pre_attention_s, ops.post_attention_s) == pytest.approx((3e-6, 2e-6))
-    assert (attention.layout, attention.prompt, attention.seconds) == ("L", 64, pytest.approx(40e-6))
+    assert (attention.layout, attention.size, attention.seconds) == ("L", 64, pytest.approx(40e-6))
     (decode,) = hw.decode_attention_points
-    assert (decode.layout, decode.batch, decode.seconds) == ("L", 16, pytest.approx(50e-6))
+    assert (decode.layout, decode.size, decode.seconds) == ("L", 16, pytest.approx(50e-6))
     (experts,) = hw.moe_ffn_points
-    assert (experts.layout, experts.tokens, experts.seconds) == ("L", 8, pytest.approx(70e-6))
+    assert (experts.layout, experts.size, experts.seconds) == ("L", 8, pytest.approx(70e-6))
     assert hw.host_seq_cost(1000) == pytest.approx(4e-6 + 1000 * 0.5e-9)
     assert spec_from_figures({k: v for k, v in figures.items()
                               if k not in ("layer_ops", "prefill_attention")}).layer_ops_points == ()

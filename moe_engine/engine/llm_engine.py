@@ -83,12 +83,12 @@ class LLMEngine:
                 (self.spec.expert_storage or storage) if experts is ExpertDType.auto
                 else experts.value, precision)
             self.weight_storage = precision_storage(storage, precision)
-            if precision == "medium" and packed.PAIR_STORAGE not in (self.weight_storage,
-                                                                      self.expert_storage):
+            medium_held = packed.PAIR_STORAGE in (self.weight_storage, self.expert_storage)
+            if precision == "medium" and not medium_held:
                 log.warning("engine.matmul_precision=medium changes nothing here: weights %s, "
                             "experts %s (medium applies to bf16 and fp32 weights)",
                             self.weight_storage, self.expert_storage)
-            elif precision == "medium" and packed.ISA != "avx512bf16":
+            elif medium_held and packed.ISA != "avx512bf16":
                 log.warning("engine.matmul_precision=medium on the %s kernel build, which has "
                             "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
                             "results, no faster than highest)", packed.ISA)

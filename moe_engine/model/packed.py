@@ -28,6 +28,7 @@ import torch
 
 from moe_engine.model import mxfp4
 from moe_engine.model.kernel_import import import_kernel
+from moe_engine.model.spec import PAIR_STORAGE
 from moe_engine.model.weights import ExpertWeights, LayerWeights, MlaWeights, ModelWeights
 
 # None when not built: the engine keeps torch's GEMMs
@@ -38,10 +39,10 @@ NR = 32  # output columns per panel (moe_isa.h MOE_NR)
 I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP); MXFP4's blocks are as wide
 STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p")
 NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 32 inputs
-# bf16 weights whose GEMMs round the activations to bf16 (engine.matmul_precision=medium): k in
-# pairs, one 32-bit word a column and pair, so AVX512-BF16's vdpbf16ps does two multiply-adds a
-# lane; other CPUs compute the same products in fp32 FMAs
-PAIR_STORAGE = "bf16p"
+# PAIR_STORAGE (bf16p): bf16 weights whose GEMMs round the activations to bf16
+# (engine.matmul_precision=medium): k in pairs, one 32-bit word a column and pair, so
+# AVX512-BF16's vdpbf16ps does two multiply-adds a lane; other CPUs compute the same products
+# in fp32 FMAs
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                   "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
@@ -83,8 +84,8 @@ def storage_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class PackedLinear:
     """A [n, k] weight in panel layout: `data` [P, k, 32] (int4, mxfp4: [P, k, 16] bytes; bf16p:
-    [P, ceil(k/2), 32] int32 words of bf16 pairs), `scale` for int8 ([P*32] fp32), int4 ([P, k/32, 32] fp32) and mxfp4 ([P, k/32, 32] E8M0
-    bytes), None for float storage."""
+    [P, ceil(k/2), 32] int32 words of bf16 pairs), `scale` for int8 ([P*32] fp32), int4
+    ([P, k/32, 32] fp32) and mxfp4 ([P, k/32, 32] E8M0 bytes), None for float storage."""
 
     data: torch.Tensor
     scale: Optional[torch.Tensor]
@@ -288,7 +289,7 @@ def is_packed(expert: ExpertWeights) -> bool:
 def packed_inputs(panels: torch.Tensor) -> int:
     """The input size k of a packed expert projection [P, rows, 32|16]: its rows, or twice
     them for bf16p's pair-rows (an expert's k is even there, see pack_expert)."""
-    return panels.shape[1] * (2 if panels.dtype == torch.int32 else 1)
+    return panels.shape[1] * (2 if _storage_of(panels, None) == PAIR_STORAGE else 1)
 
 
 def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:

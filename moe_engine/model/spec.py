@@ -28,9 +28,10 @@ _DTYPE_OF_WIDTH = {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}
 # Bits per routed-expert weight in a quantized storage, scales included (model/packed.py):
 # MXFP4 4-bit codes + an E8M0 byte per 32; int4 + an fp32 scale per 32; int8 + an fp32 scale
 # per output row (~0 bits per weight at real widths).
-# bf16p: bf16 weights in pairs for bf16 activations (engine.matmul_precision=medium), another
-# kernel path at 16 bits a weight, whatever the checkpoint's dtype
-EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, "bf16p": 16.0}
+# bf16p (PAIR_STORAGE): bf16 weights in pairs for bf16 activations (engine.matmul_precision=
+# medium), another kernel path at 16 bits a weight, whatever the checkpoint's dtype
+PAIR_STORAGE = "bf16p"
+EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, PAIR_STORAGE: 16.0}
 # packed storage of a float checkpoint dtype (torch's name)
 FLOAT_STORAGE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -39,7 +40,7 @@ def precision_storage(storage: str, precision: str) -> str:
     """The packed storage of weights otherwise held in `storage` under engine.matmul_precision:
     medium holds bf16 and fp32 weights as bf16 pairs (bf16 activations); fp16 and quantized
     storage, and everything under highest, stay as they are."""
-    return "bf16p" if precision == "medium" and storage in ("bf16", "fp32") else storage
+    return PAIR_STORAGE if precision == "medium" and storage in ("bf16", "fp32") else storage
 
 
 class UnsupportedModelError(UnsupportedArchitectureError):

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .specs import (DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
+from .specs import (GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
                     WorkloadSpec, layer_layout)
 
 
@@ -179,9 +179,7 @@ def _layer_ops_curves(points: tuple[LayerOpsPoint, ...], layout: str
 
 
 @lru_cache(maxsize=256)
-def _layout_curve(points: tuple[PrefillAttentionPoint, ...] | tuple[DecodeAttentionPoint, ...]
-                  | tuple[MoeFfnPoint, ...], layout: str
-                  ) -> tuple[tuple[int, float], ...] | None:
+def _layout_curve(points: tuple[LayoutPoint, ...], layout: str) -> tuple[tuple[int, float], ...] | None:
     """(size, seconds) of one layout's points, by size (a prefill's prompt length, a decode
     call's batch, an expert call's tokens), None if the layout has none."""
     rows = tuple(sorted((p.size, p.seconds) for p in points if p.layout == layout))

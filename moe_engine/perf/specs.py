@@ -15,7 +15,7 @@ from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError, dtype_by
 TFLOPS = 1e12
 
 __all__ = ["GB", "TFLOPS", "ModelSpec", "UnsupportedModelError", "dtype_bytes_of", "GemmPoint", "HardwareSpec",
-           "LayerOpsPoint", "PrefillAttentionPoint", "DecodeAttentionPoint", "MoeFfnPoint", "WorkloadSpec", "layer_layout",
+           "LayerOpsPoint", "LayoutPoint", "PrefillAttentionPoint", "DecodeAttentionPoint", "MoeFfnPoint", "WorkloadSpec", "layer_layout",
            "workload_spec_from_lengths", "blocks_for"]
 
 
@@ -43,47 +43,26 @@ class LayerOpsPoint:
 
 
 @dataclass(frozen=True)
-class PrefillAttentionPoint:
-    """Seconds per prompt of prefill attention (K/V written to the cache, one causal SDPA call
-    and its slicing) for prompts of `prompt` tokens, in a pass of such prompts."""
+class LayoutPoint:
+    """A profiled time of one layer layout's call at one size; the kinds below differ only in
+    what `size` counts and what `seconds` covers, and are read as (size, seconds) curves."""
 
     layout: str
-    prompt: int
+    size: int
     seconds: float
 
-    @property
-    def size(self) -> int:
-        return self.prompt
 
-
-@dataclass(frozen=True)
-class DecodeAttentionPoint:
-    """Seconds per call of a decode step's attention (K/V write, kernel call, output copy) for
-    `batch` sequences at a one-block context: the call's cost apart from reading the cache."""
-
-    layout: str
-    batch: int
-    seconds: float
-
-    @property
-    def size(self) -> int:
-        return self.batch
-
-
-@dataclass(frozen=True)
-class MoeFfnPoint:
-    """Seconds per call of a MoE layer's routed experts over `tokens` tokens (uniform routing),
-    as the engine runs them: one call of the fused expert kernel, every expert's gate|up, GLU,
-    down and weighted sum in one parallel region; its weights read from DRAM unless the model
-    fits the cache."""
-
-    layout: str
-    tokens: int
-    seconds: float
-
-    @property
-    def size(self) -> int:
-        return self.tokens
+# Seconds per prompt of prefill attention (K/V written to the cache, one causal SDPA call and
+# its slicing) for prompts of `size` tokens, in a pass of such prompts.
+PrefillAttentionPoint = LayoutPoint
+# Seconds per call of a decode step's attention (K/V write, kernel call, output copy) for `size`
+# sequences at a one-block context: the call's cost apart from reading the cache.
+DecodeAttentionPoint = LayoutPoint
+# Seconds per call of a MoE layer's routed experts over `size` tokens (uniform routing), as the
+# engine runs them: one call of the fused expert kernel, every expert's gate|up, GLU, down and
+# weighted sum in one parallel region; its weights read from DRAM unless the model fits the
+# cache.
+MoeFfnPoint = LayoutPoint
 
 
 def layer_layout(m: ModelSpec) -> str:
