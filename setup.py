@@ -28,12 +28,15 @@ ISA_BUILDS = [
     # AVX-512 plus vdpbf16ps (Zen 4, Sapphire Rapids on): bf16p weights only; dropped where the
     # compiler lacks -mavx512bf16 (GCC < 10)
     ("isa_avx512bf16.c", AVX512_FLAGS + ["-mavx512bf16"], "MOE_BUILT_AVX512BF16"),
+    # AVX512-BF16 plus AMX tiles (Sapphire Rapids on) for bf16p weights; dropped where the
+    # compiler lacks -mamx-bf16 (GCC < 11)
+    ("isa_amx.c", AVX512_FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "MOE_BUILT_AMX"),
 ]
 # Extensions that link the ISA builds and the dispatcher.
 ISA_EXTENSIONS = {"packed_gemm", "paged_attention"}
 # Headers the ISA builds include: a change rebuilds them.
 ISA_HEADERS = ["moe_isa.h", "isa_vec.h", "isa_ops_table.h", "packed_gemm_impl.h",
-               "paged_attention_impl.h"]
+               "paged_attention_impl.h", "amx_bf16p.h"]
 
 
 def _compiler_accepts(flags: list[str]) -> bool:

@@ -5,6 +5,35 @@
 #include "moe_isa.h"
 
 #include <stddef.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(MOE_BUILT_AMX)
+/* Whether AMX tiles with bf16 products can run: CPUID says AMX-TILE and AMX-BF16, and Linux
+ * grants the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 on; the
+ * first tile instruction faults without it). The grant is for the whole process and for good,
+ * so the answer is asked once and kept: the syscall is not made on every kernel call. */
+static int amx_usable(void) {
+    static int usable = -1; /* not asked yet; a race only asks twice */
+    if (usable < 0) {
+        int ok = 0;
+#if defined(__linux__)
+        unsigned a, b, c, d;
+        if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1)) {
+            const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
+            ok = syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
+        }
+#endif
+        usable = ok;
+    }
+    return usable;
+}
+#endif
 
 int moe_isa_supported(int isa) {
     switch (isa) {
@@ -26,6 +55,10 @@ int moe_isa_supported(int isa) {
         case MOE_ISA_AVX512BF16:
             return moe_isa_supported(MOE_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #endif
+#if defined(MOE_BUILT_AMX)
+        case MOE_ISA_AMX:
+            return moe_isa_supported(MOE_ISA_AVX512BF16) && amx_usable();
+#endif
 #endif
         default:
             return 0;
@@ -40,7 +73,7 @@ int moe_isa_best(void) {
 
 const char *moe_isa_name(int isa) {
     static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avx512",
-                                                        "avx512bf16"};
+                                                        "avx512bf16", "amx"};
     return isa >= 0 && isa < MOE_ISA_COUNT ? names[isa] : "unknown";
 }
 
@@ -55,6 +88,9 @@ const moe_isa_ops *moe_isa_get(int isa) {
 #endif
 #if defined(MOE_BUILT_AVX512BF16)
         case MOE_ISA_AVX512BF16: return &moe_ops_avx512bf16;
+#endif
+#if defined(MOE_BUILT_AMX)
+        case MOE_ISA_AMX: return &moe_ops_amx;
 #endif
         default: return &moe_ops_generic;
     }

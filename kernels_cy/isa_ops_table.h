@@ -10,6 +10,7 @@ const moe_isa_ops MOE_OPS_NAME = {
     .linear = linear_impl,
     .moe_ffn = moe_ffn_impl,
     .fma_probe = fma_probe_impl,
+    .probe_flops = probe_flops_impl,
     .decode_attention = decode_attention_impl,
     .read_sum = read_sum_impl,
 };

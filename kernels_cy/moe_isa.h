@@ -43,6 +43,9 @@
 
 #define MOE_NR 32
 #define MOE_I4_GROUP 32
+/* Spare rows after the activations a bf16p GEMM reads (its own scratch, sized here): AMX tiles
+ * load whole 16-row tiles, up to 31 rows past a call's last. */
+#define MOE_PAD_ROWS 32
 
 /* Storage dtypes of packed weights; KV caches use the first three. */
 enum moe_wdtype {
@@ -58,10 +61,11 @@ typedef struct {
     int kind;
     float alpha, limit; /* MOE_GLU_CLAMPED only */
 } moe_glu;
-/* AVX512BF16: the AVX-512 build plus vdpbf16ps for bf16p weights (every other path as AVX512). */
+/* AVX512BF16: the AVX-512 build plus vdpbf16ps for bf16p weights (every other path as AVX512).
+ * AMX: AVX512BF16 with bf16p weights on AMX tiles (tdpbf16ps; amx_bf16p.h). */
 enum moe_isa {
     MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_AVX512BF16 = 3,
-    MOE_ISA_COUNT = 4
+    MOE_ISA_AMX = 4, MOE_ISA_COUNT = 5
 };
 
 /* A packed weight: data in the layout above, n true output columns, k inputs. */
@@ -123,8 +127,11 @@ typedef struct {
                     float *out, float *work, int32_t *iwork, int nthreads);
     /* FLOP/s probe: n iterations of 12 chains per thread of fp32 FMAs (MOE_PROBE_FMA) or of
      * bf16 pair dot products (MOE_PROBE_BF16_DOT: vdpbf16ps, two multiply-adds a lane, where
-     * the build has it; elsewhere the two FMAs bf16p weights cost); returns a checksum. */
+     * the build has it; elsewhere the two FMAs bf16p weights cost; on the amx build four
+     * tdpbf16ps on tiles); returns a checksum. */
     double (*fma_probe)(int64_t n, int nthreads, int kind);
+    /* FLOPs one iteration of fma_probe(kind) does on one thread. */
+    int64_t (*probe_flops)(int kind);
     /* Paged decode attention, one task per (sequence, KV head) on nthreads threads; head_dim a
      * multiple of `lanes`; block ids and context lengths already checked by the caller (they
      * index memory). fp32 online softmax and accumulation; a sequence with no context gets
@@ -139,11 +146,20 @@ extern const moe_isa_ops moe_ops_generic;
 extern const moe_isa_ops moe_ops_avx2;
 extern const moe_isa_ops moe_ops_avx512;
 extern const moe_isa_ops moe_ops_avx512bf16;
+extern const moe_isa_ops moe_ops_amx;
+
+/* The row stride (in 4-byte words) of the kernels' own activation buffers of n words a row: n
+ * rounded up to whole 64-byte lines, then to an odd number of lines, so that the 16 rows an AMX
+ * tile (or a register tile) reads fall into different L1 sets. Rows 4 KB apart (a 1024-wide
+ * fp32 row, or its bf16 pairs at 2048) would all map to one set and evict each other. */
+static inline int64_t moe_row_stride(int64_t n) { return (((n + 15) / 16) | 1) * 16; }
 
 /* Scratch the moe_ffn of T tokens x top_k needs, in floats and int32s. */
 static inline int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I) {
     int64_t rows = T * top_k;
-    return rows * H /* gathered x */ + rows * I /* SwiGLU activations */ + rows * H /* slots */;
+    return (rows + MOE_PAD_ROWS) * moe_row_stride(H) /* gathered x */
+           + (rows + MOE_PAD_ROWS) * moe_row_stride(I) /* SwiGLU activations */
+           + rows * H /* slots */;
 }
 static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) {
     return T * top_k /* rows by expert */ + num_experts + 1 /* offsets */;
@@ -152,7 +168,8 @@ static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) 
 /* Dispatch (isa_dispatch.c). */
 int moe_isa_supported(int isa);
 int moe_isa_best(void);
-const char *moe_isa_name(int isa); /* "generic", "avx2", "avx512", "avx512bf16" (built or not) */
+/* "generic", "avx2", "avx512", "avx512bf16", "amx" (built or not) */
+const char *moe_isa_name(int isa);
 const moe_isa_ops *moe_isa_get(int isa);
 
 #endif

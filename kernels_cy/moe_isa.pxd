@@ -6,7 +6,8 @@ cdef extern from "moe_isa.h" nogil:
     int MOE_NR
     int MOE_I4_GROUP
     int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P
-    int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_COUNT
+    int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_AMX
+    int MOE_ISA_COUNT
     int MOE_ACT_NONE, MOE_ACT_SIGMOID
     int MOE_PROBE_FMA, MOE_PROBE_BF16_DOT
     int MOE_GLU_SILU, MOE_GLU_CLAMPED
@@ -47,6 +48,7 @@ cdef extern from "moe_isa.h" nogil:
                        const float *weight, int top_k, const moe_expert *experts, int num_experts,
                        const moe_glu *glu, float *out, float *work, int32_t *iwork, int nthreads) noexcept nogil
         double (*fma_probe)(int64_t n, int nthreads, int kind) noexcept nogil
+        int64_t (*probe_flops)(int kind) noexcept nogil
         int (*decode_attention)(const moe_attn_args *args, int nthreads) noexcept nogil
         double (*read_sum)(const float *p, int64_t n, int nthreads) noexcept nogil
     int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I)

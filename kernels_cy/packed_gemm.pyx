@@ -15,8 +15,8 @@ W_F32, W_BF16, W_F16, W_I8, W_I4, W_FP4, W_BF16P = (MOE_W_F32, MOE_W_BF16, MOE_W
                                                     MOE_W_I4, MOE_W_FP4, MOE_W_BF16P)
 GLU_SILU, GLU_CLAMPED = MOE_GLU_SILU, MOE_GLU_CLAMPED
 TABLE_COLUMNS = 12  # moe_ffn's expert table: see its docstring
-ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16 = (MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512,
-                                                    MOE_ISA_AVX512BF16)
+ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX = (
+    MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_AMX)
 ACTIVATIONS = {None: MOE_ACT_NONE, "sigmoid": MOE_ACT_SIGMOID}
 ISA_NAMES = {isa: moe_isa_name(isa).decode() for isa in range(MOE_ISA_COUNT)}
 
@@ -106,9 +106,15 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
 PROBE_FMA, PROBE_BF16_DOT = MOE_PROBE_FMA, MOE_PROBE_BF16_DOT
 
 
+def probe_flops(int isa, int kind=MOE_PROBE_FMA):
+    """FLOPs one iteration of fma_probe(kind) does on one thread of ISA `isa`."""
+    return isa_ops(isa).probe_flops(kind)
+
+
 def fma_probe(int64_t n, int nthreads, int isa, int kind=MOE_PROBE_FMA):
-    """Checksum of n iterations of 12 independent chains per thread (the FLOP/s probe: n * 12 *
-    lanes * 2 FLOP per thread for PROBE_FMA, twice that for PROBE_BF16_DOT)."""
+    """Checksum of n iterations per thread of the FLOP/s probe (probe_flops each): 12
+    independent chains of fp32 FMAs (PROBE_FMA) or bf16 pair dot products (PROBE_BF16_DOT; on
+    the amx build, four independent tdpbf16ps)."""
     cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef double r
     nthreads = max(nthreads, 1)

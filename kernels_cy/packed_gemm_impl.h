@@ -339,10 +339,41 @@ MOE_TILE_FN(tile_f16, MOE_W_F16)
 MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
 MOE_TILE_FN(tile_fp4, MOE_W_FP4)
+#if !defined(MOE_AMX) /* the amx build takes bf16p on tiles (tile_bf16p_amx) */
 MOE_TILE_FN(tile_bf16p, MOE_W_BF16P)
+#endif
 
 typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const void *,
                         const epilogue *, int);
+
+#if defined(MOE_AMX)
+#include "amx_bf16p.h"
+#endif
+
+/* Token rows one tile call takes: AMX_ROWS for bf16p on AMX tiles, MR in registers. */
+static inline int tile_rows(int dt) {
+#if defined(MOE_AMX)
+    if (dt == MOE_W_BF16P) return AMX_ROWS;
+#endif
+    (void)dt;
+    return MR;
+}
+
+/* Sets up (and, at the end, releases) the calling thread's AMX tiles when `bf16p` weights run
+ * on them; nothing on the other builds. Called by every thread of a parallel region. */
+static inline void tiles_begin(int bf16p) {
+#if defined(MOE_AMX)
+    if (bf16p) amx_tiles_begin();
+#endif
+    (void)bf16p;
+}
+
+static inline void tiles_end(int bf16p) {
+#if defined(MOE_AMX)
+    if (bf16p) amx_tiles_end();
+#endif
+    (void)bf16p;
+}
 
 static tile_fn tile_for(int dt) {
     switch (dt) {
@@ -351,7 +382,11 @@ static tile_fn tile_for(int dt) {
         case MOE_W_I8: return tile_i8;
         case MOE_W_I4: return tile_i4;
         case MOE_W_FP4: return tile_fp4;
+#if defined(MOE_AMX)
+        case MOE_W_BF16P: return tile_bf16p_amx;
+#else
         case MOE_W_BF16P: return tile_bf16p;
+#endif
         default: return tile_f32;
     }
 }
@@ -375,31 +410,36 @@ static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
 
 static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
 
-/* Rows [t0, t1) of an item against one panel, MR rows at a time. */
-static inline void run_tiles(tile_fn tile_of, const float *x, int64_t ldx, int64_t K,
+/* Rows [t0, t1) of an item against one panel, `mr` rows (tile_rows) at a time. */
+static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ldx, int64_t K,
                              const char *panel, const void *gscale, const epilogue *ep,
                              int64_t t0, int64_t t1) {
-    for (int64_t tb = t0; tb < t1; tb += MR)
-        tile_of((int)(t1 - tb < MR ? t1 - tb : MR), x + tb * ldx, ldx, K, panel, gscale, ep,
+    for (int64_t tb = t0; tb < t1; tb += mr)
+        tile_of((int)(t1 - tb < mr ? t1 - tb : mr), x + tb * ldx, ldx, K, panel, gscale, ep,
                 (int)tb);
 }
 
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     const tile_fn tile_of = tile_for(w->dtype);
+    const int mr = tile_rows(w->dtype), bf16p = w->dtype == MOE_W_BF16P;
     const int64_t P = num_panels(w), chunks = (T + TC - 1) / TC, items = P * chunks;
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
     uint32_t *pairs = NULL;
-    if (w->dtype == MOE_W_BF16P) { /* the rows as bf16 pairs, once for every panel */
-        const int64_t k2 = (w->k + 1) / 2;
-        pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(T * k2 > 0 ? T * k2 : 1));
+    if (bf16p) { /* the rows as bf16 pairs, once for every panel, MOE_PAD_ROWS rows spare */
+        const int64_t ldp = moe_row_stride((w->k + 1) / 2);
+        pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)((T + MOE_PAD_ROWS) * ldp));
         if (!pairs) return -2;
+        memset(pairs + T * ldp, 0, sizeof(uint32_t) * (size_t)(MOE_PAD_ROWS * ldp));
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
-        for (int64_t t = 0; t < T; t++) bf16_pairs(x + t * ldx, w->k, pairs + t * k2);
+        for (int64_t t = 0; t < T; t++) bf16_pairs(x + t * ldx, w->k, pairs + t * ldp);
         x = (const float *)pairs;
-        ldx = k2;
+        ldx = ldp;
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
+#pragma omp parallel num_threads(nthreads) if (parallel)
+    {
+    tiles_begin(bf16p);
+#pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it % P, c = it / P;
         const int64_t t1 = (c + 1) * TC < T ? (c + 1) * TC : T;
@@ -409,7 +449,10 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
         const epilogue ep = {.mode = EPI_LINEAR, .ncol = ncol, .cscale = panel_cscale(w, p),
                              .bias = bias ? padded_bias : NULL, .act = act,
                              .out = y + p * MOE_NR, .ldo = ldy};
-        run_tiles(tile_of, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC, t1);
+        run_tiles(tile_of, mr, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
+                  t1);
+    }
+    tiles_end(bf16p);
     }
     free(pairs);
     return 0;
@@ -452,17 +495,23 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
         for (int64_t r = 0; r < rows; r++) by_expert[fill[idx[r]]++] = (int32_t)r;
         free(fill);
     }
-    float *xg = work, *act = work + rows * H, *slots = act + rows * I;
+    /* gathered rows and activations, each followed by MOE_PAD_ROWS spare rows (AMX tiles read
+     * whole row tiles) */
+    const int64_t ldh = moe_row_stride(H), ldi = moe_row_stride(I);
+    float *xg = work, *act = xg + (rows + MOE_PAD_ROWS) * ldh,
+          *slots = act + (rows + MOE_PAD_ROWS) * ldi;
     const int parallel = nthreads > 1 && rows * H * I >= SMALL_WORK;
+    const int bf16p = pairs13 == 1 || pairs2 == 1;
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
+        tiles_begin(bf16p);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; i++) {
             const float *src = x + (by_expert[i] / top_k) * H;
             if (pairs13 == 1) /* bf16 pairs at the fp32 row stride: ldx stays H */
-                bf16_pairs(src, H, xg + i * H);
+                bf16_pairs(src, H, xg + i * ldh);
             else
-                memcpy(xg + i * H, src, sizeof(float) * H);
+                memcpy(xg + i * ldh, src, sizeof(float) * H);
         }
         /* gate|up GEMM and SiLU(gate) * up, per (expert, token chunk, panel) */
         for (int e = 0; e < E; e++) {
@@ -471,8 +520,8 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             const moe_packed *w = &experts[e].w13;
             const tile_fn tile_of = tile_for(w->dtype);
             const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
-            const float *xe = xg + (int64_t)offset[e] * H;
-            float *ae = act + (int64_t)offset[e] * I;
+            const float *xe = xg + (int64_t)offset[e] * ldh;
+            float *ae = act + (int64_t)offset[e] * ldi;
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
@@ -482,16 +531,16 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                      .ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16),
                                      .cscale = panel_cscale(w, p),
                                      .bias = b13 ? b13 + p * MOE_NR : NULL, .glu = glu,
-                                     .out = ae + p * 16, .ldo = I};
-                run_tiles(tile_of, xe, H, H, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
-                          t1);
+                                     .out = ae + p * 16, .ldo = ldi};
+                run_tiles(tile_of, tile_rows(w->dtype), xe, ldh, H, panel_ptr(w, p),
+                          panel_gscale(w, p), &ep, c * TC, t1);
             }
         }
 #pragma omp barrier
         if (pairs2 == 1) { /* the activations as bf16 pairs, in place, row stride kept */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < rows; i++)
-                bf16_pairs(act + i * I, I, act + i * I);
+                bf16_pairs(act + i * ldi, I, act + i * ldi);
         }
         /* down GEMM, each row weighted by its routing weight into its (token, slot) row */
         for (int e = 0; e < E; e++) {
@@ -500,7 +549,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             const moe_packed *w = &experts[e].w2;
             const tile_fn tile_of = tile_for(w->dtype);
             const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
-            const float *ae = act + (int64_t)offset[e] * I;
+            const float *ae = act + (int64_t)offset[e] * ldi;
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
@@ -512,11 +561,12 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                      .bias = b2 ? b2 + p * MOE_NR : NULL,
                                      .out = slots + p * MOE_NR,
                                      .ldo = H, .rows = by_expert + offset[e], .weight = weight};
-                run_tiles(tile_of, ae, I, I, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
-                          t1);
+                run_tiles(tile_of, tile_rows(w->dtype), ae, ldi, I, panel_ptr(w, p),
+                          panel_gscale(w, p), &ep, c * TC, t1);
             }
         }
 #pragma omp barrier
+        tiles_end(bf16p);
         /* each token's slots summed in slot order: fixed whatever the batch */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
@@ -535,6 +585,9 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
  * AVX2's 16 registers; each step of a chain is one fp32 FMA, or one bf16 pair dot product
  * (vdpbf16ps where the build has it, else the two FMAs per pair the bf16p micro-kernel does). */
 static double fma_probe_impl(int64_t n, int nthreads, int kind) {
+#if defined(MOE_AMX)
+    if (kind == MOE_PROBE_BF16_DOT) return amx_probe(n, nthreads);
+#endif
     double total = 0.0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
     {
@@ -573,4 +626,12 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
         for (int i = 0; i < VW; i++) total += s[i];
     }
     return total;
+}
+
+/* FLOPs one iteration of the probe does on one thread (moe_isa_ops.probe_flops). */
+static int64_t probe_flops_impl(int kind) {
+#if defined(MOE_AMX)
+    if (kind == MOE_PROBE_BF16_DOT) return AMX_PROBE_FLOPS;
+#endif
+    return (int64_t)12 * VW * (kind == MOE_PROBE_BF16_DOT ? 4 : 2);
 }

@@ -253,10 +253,11 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
 
 @pytest.mark.parametrize("storage", ["bf16", "bf16p"])
 def test_fma_isas_agree_bitwise(storage):
-    # AVX512BF16 runs bf16 weights with the AVX-512 code: it joins the comparison; bf16p runs
-    # there on vdpbf16ps (compared with a tolerance below), on the others as FMAs
-    fma = [isa for isa in ISAS if isa != "generic" and not (storage == "bf16p"
-                                                              and isa == "avx512bf16")]
+    # AVX512BF16 and AMX run bf16 weights with the AVX-512 code: they join the comparison;
+    # bf16p runs there on vdpbf16ps / AMX tiles (compared with a tolerance below), on the others
+    # as FMAs
+    fma = [isa for isa in ISAS if isa != "generic" and not (
+        storage == "bf16p" and isa in packed.NATIVE_BF16_ISAS)]
     if len(fma) < 2:
         pytest.skip("one FMA-capable ISA build on this CPU")
     torch.manual_seed(1)
@@ -266,16 +267,27 @@ def test_fma_isas_agree_bitwise(storage):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-@pytest.mark.skipif("avx512bf16" not in ISAS, reason="no AVX512-BF16 on this CPU")
-def test_bf16_dot_instruction_matches_its_fma_emulation():
-    """vdpbf16ps against the AVX-512 build's two FMAs per pair: the same to within the
-    instruction's own rounding inside a pair (an ulp or so of the fp32 sums)."""
+NATIVE_BF16 = [isa for isa in packed.NATIVE_BF16_ISAS if isa in ISAS]
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("isa", NATIVE_BF16)
+@pytest.mark.parametrize("hidden, inter, tokens", [(256, 128, 64), (200, 72, 45)])
+def test_bf16_dot_instruction_matches_its_fma_emulation(isa, hidden, inter, tokens):
+    """vdpbf16ps (avx512bf16) and tdpbf16ps (amx) against the AVX-512 build's two FMAs per
+    pair: the same to within the instructions' own rounding of their sums (an ulp or so of
+    the fp32 sums). 200 x 72: k/2 is not a multiple of AMX's 16 pairs, so the amx build adds
+    the last pairs after its tiles; 45 rows: two row tiles, the second partial."""
     torch.manual_seed(2)
-    _, _, experts = _experts(4, 256, 128, "bf16p")
-    h, idx, wts = torch.randn(64, 256), torch.randint(0, 4, (64, 2)), torch.rand(64, 2)
-    dot = packed.packed_moe_ffn(experts, h, wts, idx, isa="avx512bf16")
+    _, _, experts = _experts(4, hidden, inter, "bf16p")
+    h, wts = torch.randn(tokens, hidden), torch.rand(tokens, 2)
+    idx = torch.randint(0, 4, (tokens, 2))
+    dot = packed.packed_moe_ffn(experts, h, wts, idx, isa=isa)
     fma = packed.packed_moe_ffn(experts, h, wts, idx, isa="avx512")
     assert (dot - fma).abs().max().item() <= 1e-6 * fma.abs().max().item() + 1e-7
+    lin = packed.pack_linear(torch.randn(40, hidden) * 0.1, "bf16p")
+    assert torch.allclose(packed.packed_linear(h, lin, isa=isa),
+                          packed.packed_linear(h, lin, isa="avx512"), rtol=0, atol=1e-5)
 
 
 def test_experts_that_mix_bf16_pairs_with_fp32_rows_are_refused():

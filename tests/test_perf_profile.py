@@ -208,3 +208,21 @@ def test_layer_ops_are_timed_on_every_family_the_engine_runs(preset):
     assert all(r["us_per_prompt"] > 0 for r in attention)
     assert [r["tokens"] for r in experts] == [1, 16] and all(r["us_per_call"] > 0 for r in experts)
     assert not layer_ops_profiled(ModelSpec.from_hf_config(hf_config_of("tiny-deepseek-v3")))
+
+
+def test_a_forced_isa_build_or_another_kernel_build_is_another_machine(monkeypatch, tmp_path):
+    """Profiles time the packed kernels: one measured on a forced ISA build (MOE_BATCH_ISA) or
+    on another build of the extension (a rebuild that adds an AMX path) is not reused."""
+    from moe_engine.perf import hardware
+    monkeypatch.delenv("MOE_BATCH_ISA", raising=False)
+    chosen = machine_fingerprint()
+    monkeypatch.setenv("MOE_BATCH_ISA", "avx2")
+    assert machine_fingerprint() != chosen
+    monkeypatch.delenv("MOE_BATCH_ISA")
+    fake = tmp_path / f"{hardware.PACKED_KERNEL_NAME}.so"
+    monkeypatch.setattr(hardware, "CYTHON_KERNEL_DIR", tmp_path)
+    monkeypatch.setattr(hardware.importlib.machinery, "EXTENSION_SUFFIXES", [".so"])
+    fake.write_bytes(b"one build")
+    first = machine_fingerprint()
+    fake.write_bytes(b"another build")
+    assert machine_fingerprint() != first

@@ -88,7 +88,7 @@ class LLMEngine:
                 log.warning("engine.matmul_precision=medium changes nothing here: weights %s, "
                             "experts %s (medium applies to bf16 and fp32 weights)",
                             self.weight_storage, self.expert_storage)
-            elif medium_held and packed.ISA != "avx512bf16":
+            elif medium_held and packed.ISA not in packed.NATIVE_BF16_ISAS:
                 log.warning("engine.matmul_precision=medium on the %s kernel build, which has "
                             "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
                             "results, no faster than highest)", packed.ISA)

@@ -14,9 +14,9 @@ Layouts are described in kernels_cy/moe_isa.h; this module builds them with torc
   biases) on its register tile. An MXFP4 expert as loaded (model/mxfp4.py) is packed from its
   codes, never widened.
 The ISA build is chosen once, at import, from CPUID (`ISA`);
-`MOE_BATCH_ISA=avx2|avx512|avx512bf16|generic` forces one the CPU supports (benchmarks and
-tests; `avx512bf16` is the AVX-512 build plus vdpbf16ps for bf16p weights), and every function
-takes `isa=` too.
+`MOE_BATCH_ISA=avx2|avx512|avx512bf16|amx|generic` forces one the CPU supports (benchmarks
+and tests; `avx512bf16` is the AVX-512 build plus vdpbf16ps for bf16p weights, `amx` that build
+with bf16p weights on AMX tiles), and every function takes `isa=` too.
 """
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p")
 NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 32 inputs
 # PAIR_STORAGE (bf16p): bf16 weights whose GEMMs round the activations to bf16
 # (engine.matmul_precision=medium): k in pairs, one 32-bit word a column and pair, so
-# AVX512-BF16's vdpbf16ps does two multiply-adds a lane; other CPUs compute the same products
-# in fp32 FMAs
+# AVX512-BF16's vdpbf16ps does two multiply-adds a lane and AMX's tdpbf16ps takes the panels
+# as they are; other CPUs compute the same products in fp32 FMAs
+# ISA builds that multiply bf16 pairs natively (elsewhere bf16p is emulated: no faster)
+NATIVE_BF16_ISAS = ("avx512bf16", "amx")
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                   "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
@@ -406,16 +408,16 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
 def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
                    isa: Optional[str] = None, kind: str = "fma") -> float:
     """Achieved FLOP/s of a register-blocked loop on `threads` threads (the compute roof): fp32
-    FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, vdpbf16ps
-    on the avx512bf16 build, two FMAs a pair elsewhere)."""
+    FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, tdpbf16ps
+    on AMX tiles on the amx build, vdpbf16ps on avx512bf16, two FMAs a pair elsewhere)."""
     import time
     _require_kernels()
-    kinds = {"fma": (_ext.PROBE_FMA, 2), "bf16_dot": (_ext.PROBE_BF16_DOT, 4)}
+    kinds = {"fma": _ext.PROBE_FMA, "bf16_dot": _ext.PROBE_BF16_DOT}
     if kind not in kinds:
         raise ValueError(f"unknown probe {kind!r}; choose one of {sorted(kinds)}")
-    probe, flops_per_lane = kinds[kind]
+    probe = kinds[kind]
     code, nthreads = isa_code(isa), _threads(threads)
-    per_iter = 12 * _ext.lanes(code) * flops_per_lane * nthreads
+    per_iter = _ext.probe_flops(code, probe) * nthreads
     n = 1 << 16
     while True:
         t0 = time.perf_counter()

@@ -133,8 +133,11 @@ def machine_fingerprint() -> str:
     except importlib.metadata.PackageNotFoundError:
         parts.append("no-torch")
     parts.append(f"cython={cython_kernel_built()}")
-    # GEMM rates are measured on the packed kernels when they are built (the engine's default)
-    parts.append(f"packed={kernel_built(PACKED_KERNEL_NAME)}")
+    # GEMM rates are measured on the packed kernels when they are built (the engine's default):
+    # a rebuild that adds an ISA path (or changes a kernel) and a forced build (MOE_BATCH_ISA)
+    # measure other kernels, so neither reuses the profile
+    parts.append(f"packed={kernel_digest(PACKED_KERNEL_NAME)}")
+    parts.append(f"isa={os.environ.get('MOE_BATCH_ISA', 'cpuid')}")
     # The engine's steps run under a tuned malloc (moe_engine/host_alloc.py); small steps' times
     # depend on it, so a profile measured under other settings is not reused.
     parts.append(f"malloc={allocator_fingerprint()}")
@@ -146,6 +149,15 @@ def kernel_built(name: str) -> bool:
     its package, and the performance model imports no kernel code."""
     return any((CYTHON_KERNEL_DIR / f"{name}{suffix}").exists()
                for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def kernel_digest(name: str) -> str:
+    """A short hash of a compiled kernel extension's file ("none" when it is not built)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = CYTHON_KERNEL_DIR / f"{name}{suffix}"
+        if path.exists():
+            return hashlib.sha1(path.read_bytes()).hexdigest()[:12]
+    return "none"
 
 
 def cython_kernel_built() -> bool:

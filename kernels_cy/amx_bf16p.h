@@ -1,0 +1,149 @@
+/* AMX tiles for bf16p weights (the amx build; engine.matmul_precision=medium), included by
+ * packed_gemm_impl.h when MOE_AMX is defined.
+ *
+ * A bf16p panel is already in the layout AMX's tdpbf16ps takes for its second operand: pair-row
+ * j holds, for each of the panel's 32 columns, the 32-bit word (W[c, 2j], W[c, 2j+1]), so 16
+ * pair-rows of columns 0-15 are one 16 x 64-byte tile at a stride of 128 bytes, and columns
+ * 16-31 the tile 64 bytes further. The activations, rounded to bf16 pairs as every build rounds
+ * them, are the first operand as they lie (a row's 16 pair words, at the row stride). One
+ * tdpbf16ps does 16 x 16 x 32 multiply-adds, so the weights are never widened and a step's
+ * compute is ~8x AVX512-BF16's.
+ *
+ * Tiles, configured once per thread and call (amx_tiles_begin) and all 16 rows x 64 bytes:
+ * 0-3 the accumulators of (row tile r, column half h) = tile 2r + h, 4-5 the activations of the
+ * two row tiles, 6-7 the weights' two column halves. A call of m < 32 rows still loads 16 or 32
+ * activation rows: the rows past m compute on whatever follows the caller's rows (callers leave
+ * MOE_PAD_ROWS readable rows after their buffers) and are never stored. Each row is still
+ * computed from its own activations alone, so a row's result does not depend on its batch; the
+ * pairs past the last whole tile (k/2 not a multiple of 16) are added after the tiles, in
+ * order, by vdpbf16ps. tdpbf16ps sums its 32 products with its own rounding and flushes
+ * subnormals: results differ from the FMA builds' by about an ulp of the sums (as vdpbf16ps's).
+ */
+#ifndef MOE_AMX_BF16P_H
+#define MOE_AMX_BF16P_H
+
+#include <immintrin.h>
+
+#define AMX_ROWS 32 /* token rows per tile call: two row tiles of 16 */
+/* k-steps (2 KB of panel each) the prefetches run ahead: 4 streamed 20-27 GB/s of panels on a
+ * 2-core Xeon (Emerald Rapids) where none gave 11-20 and 8, or L2 hints, no more */
+#define AMX_PREFETCH 4
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* Configures the calling thread's eight tiles (palette 1). The OS must have granted the process
+ * the tile data state (isa_dispatch.c did, before this build could be chosen). */
+static inline void amx_tiles_begin(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Returns the tile state to init, so the thread's context switches and idle states do not
+ * carry 8 KB of tiles between calls. */
+static inline void amx_tiles_end(void) { _tile_release(); }
+
+/* The bf16p tile function of the amx build (tile_fn): m <= AMX_ROWS rows of bf16 pair words
+ * (row stride ldx words) against one panel, through the epilogue. */
+static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
+                           const void *gscale, const epilogue *ep, int row0) {
+    (void)gscale;
+    const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx;
+    const char *xa = (const char *)x;
+    const int two = m > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t j = 0; j < whole; j += 16) {
+        /* the panel streams from DRAM on a decode step: a tile load waits for all its lines,
+         * so the lines of AMX_PREFETCH steps ahead are asked for now */
+        const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
+        if (j + 16 * AMX_PREFETCH < k2)
+            for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        _tile_loadd(6, panel + j * 128, 128);
+        _tile_loadd(7, panel + j * 128 + 64, 128);
+        _tile_loadd(4, xa + 4 * j, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xa + 16 * stride + 4 * j, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[AMX_ROWS][32];
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    if (two) {
+        _tile_stored(2, &c[16][0], 128);
+        _tile_stored(3, &c[16][16], 128);
+    }
+    for (int r0 = 0; r0 < m; r0 += MR) {
+        const int mm = m - r0 < MR ? m - r0 : MR;
+        vf acc[MR][2];
+        for (int r = 0; r < mm; r++) {
+            acc[r][0] = ldf(c[r0 + r]);
+            acc[r][1] = ldf(c[r0 + r] + 16);
+        }
+        for (int64_t j = whole; j < k2; j++) {
+            const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
+            const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
+            for (int r = 0; r < mm; r++) {
+                int32_t w;
+                memcpy(&w, x + (r0 + r) * ldx + j, sizeof w);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
+                acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
+                acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
+            }
+        }
+        apply_epilogue(mm, acc, 0, ep, row0 + r0);
+    }
+}
+
+/* The bf16 dot-product probe on tiles: n iterations of four independent tdpbf16ps per thread
+ * (AMX_PROBE_FLOPS each iteration). */
+#define AMX_PROBE_FLOPS (4 * 16 * 16 * 32 * 2)
+static double amx_probe(int64_t n, int nthreads) {
+    double total = 0.0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        uint32_t src[16 * 16];
+        float c[16 * 16];
+        for (int i = 0; i < 16 * 16; i++) src[i] = 0x3a833a83u; /* bf16 pairs of ~1e-3 */
+        amx_tiles_begin();
+        _tile_loadd(4, src, 64);
+        _tile_loadd(5, src, 64);
+        _tile_loadd(6, src, 64);
+        _tile_loadd(7, src, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t it = 0; it < n; it++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, 64);
+        total += c[0];
+        _tile_stored(3, c, 64);
+        total += c[255];
+        amx_tiles_end();
+    }
+    return total;
+}
+
+#endif
