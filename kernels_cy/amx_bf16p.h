@@ -66,11 +66,13 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
         _tile_zero(2);
         _tile_zero(3);
     }
+    /* The panel streams from DRAM for an item's first row tile (a decode step has only that
+     * one): a tile load waits for all its lines, so the lines of AMX_PREFETCH steps ahead are
+     * asked for now. The item's later row tiles find the panel in cache. */
+    const int64_t fetch = row0 % TC == 0 ? whole - 16 * AMX_PREFETCH : 0;
     for (int64_t j = 0; j < whole; j += 16) {
-        /* the panel streams from DRAM on a decode step: a tile load waits for all its lines,
-         * so the lines of AMX_PREFETCH steps ahead are asked for now */
         const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
-        if (j + 16 * AMX_PREFETCH < k2)
+        if (j < fetch)
             for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
         _tile_loadd(6, panel + j * 128, 128);
         _tile_loadd(7, panel + j * 128 + 64, 128);
