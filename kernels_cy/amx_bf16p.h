@@ -25,8 +25,9 @@
 #include <immintrin.h>
 
 #define AMX_ROWS 32 /* token rows per tile call: two row tiles of 16 */
-/* k-steps (2 KB of panel each) the prefetches run ahead: 4 streamed 20-27 GB/s of panels on a
- * 2-core Xeon (Emerald Rapids) where none gave 11-20 and 8, or L2 hints, no more */
+/* k-steps (2 KB of panel each) the prefetches run ahead. On a 2-core Emerald Rapids VM (a
+ * noisy host) 4 streamed panels at 19-27 GB/s in runs where none gave 11-22; 8 steps, and
+ * hints to L2, did no better. */
 #define AMX_PREFETCH 4
 
 typedef struct {
