@@ -211,3 +211,16 @@ def test_policy_sizes_the_experts_the_engine_will_hold():
     assert held_expert_storage(compose([medium]).engine, None, "float16") is None
     assert held([medium, "engine.expert_dtype=int8"], None) == "int8"
     assert held([medium], "mxfp4") == "mxfp4"
+
+
+def test_policy_prices_the_dense_weights_the_engine_will_hold():
+    """Under medium the packed kernels hold the dense projections and the LM head as bf16
+    pairs too: the model prices their GEMMs on that storage's profiled points."""
+    from moe_engine.stages.policy import held_weight_storage
+
+    def held(overrides, dtype="bfloat16"):
+        return held_weight_storage(compose(overrides).engine, dtype)
+
+    medium = "engine.matmul_precision=medium"
+    assert held([]) is None and held([medium]) == "bf16p"
+    assert held([medium], "float32") == "bf16p" and held([medium], "float16") is None

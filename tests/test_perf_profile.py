@@ -226,3 +226,35 @@ def test_a_forced_isa_build_or_another_kernel_build_is_another_machine(monkeypat
     first = machine_fingerprint()
     fake.write_bytes(b"another build")
     assert machine_fingerprint() != first
+
+
+@pytest.mark.parametrize("experts, weights", [("int8", None), ("bf16p", "bf16p")])
+def test_ensure_with_the_held_storage_covers_what_the_policy_asks(tiny, tiny_profile, tmp_path,
+                                                                  monkeypatch, experts, weights):
+    """The policy stage sizes what the engine will hold (int8 experts; under medium, bf16p
+    experts and bf16p dense weights) and asks the profile for their points: the experts' call
+    under layout key x<storage>, the dense GEMMs in bf16p. The profiler it runs must measure
+    those, or the stage's profile never covers the model."""
+    from moe_engine.perf.hardware import load_profile, profile_covers
+    from moe_engine.stages import policy
+
+    _, data = tiny_profile
+    out = tmp_path / "profile.yaml"
+    out.write_text(yaml.safe_dump(data))
+    held = tiny.with_expert_storage(experts).with_weight_storage(weights)
+    assert not profile_covers(load_profile(out), [held])
+    commands = []
+    monkeypatch.setattr(policy.subprocess, "run", lambda cmd, check: commands.append(cmd))
+    monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path / "cache"))
+    policy.ensure_machine_profile(held, "tiny-mixtral", "auto")
+    cli = commands[0][commands[0].index("moe_engine.tools.profile_hardware") + 1:]
+    asked = ["--expert-storage", experts] + (["--weight-storage", weights] if weights else [])
+    assert cli[cli.index("--expert-storage"):] == asked
+    at = cli.index("--out")
+    assert main([*cli[:at + 1], str(out), *cli[at + 2:], "--fast"]) == 0
+    profile = load_profile(out)
+    assert profile_covers(profile, [held]) and profile_covers(profile, [tiny])
+    if weights:  # the plain and the bf16p GEMM points, each read for its own model
+        plain = spec_from_figures(profile).gemm_points
+        pairs = spec_from_figures(profile, weights).gemm_points
+        assert plain and pairs and set(plain).isdisjoint(pairs)

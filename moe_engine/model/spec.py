@@ -198,6 +198,10 @@ class ModelSpec:
     # Routed experts stored quantized (EXPERT_STORAGE_BITS: "mxfp4" from a checkpoint's
     # quantization_config, "int8"/"int4" from engine.expert_dtype); None: in torch_dtype.
     expert_storage: Optional[str] = None
+    # The dense projections and the LM head held in another storage than torch_dtype by the
+    # packed kernels (PAIR_STORAGE under engine.matmul_precision=medium): their GEMMs are
+    # priced on that kernel's profiled points. None: torch_dtype.
+    weight_storage: Optional[str] = None
     # Llama-4. router_scales_input: each chosen expert runs on the token's hidden state times
     # its routing weight, and the outputs are summed unweighted (layers.input_scaled_routing).
     # nope_layers: layers without RoPE; on the others q and k are L2-normalised after RoPE
@@ -236,6 +240,9 @@ class ModelSpec:
         if self.expert_storage is not None and self.expert_storage not in EXPERT_STORAGE_BITS:
             raise ValueError(f"expert storage {self.expert_storage!r}: expected one of "
                              f"{sorted(EXPERT_STORAGE_BITS)} or None")
+        if self.weight_storage not in (None, PAIR_STORAGE):
+            raise ValueError(f"weight storage {self.weight_storage!r}: expected "
+                             f"{PAIR_STORAGE!r} or None")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.expert_activation!r}: expected one of "
                              f"{EXPERT_ACTIVATIONS}")
@@ -327,6 +334,10 @@ class ModelSpec:
     def with_expert_storage(self, storage: Optional[str]) -> "ModelSpec":
         """The same model with its routed experts stored in `storage` (None: torch_dtype)."""
         return replace(self, expert_storage=storage)
+
+    def with_weight_storage(self, storage: Optional[str]) -> "ModelSpec":
+        """The same model with its dense weights held in `storage` (None: torch_dtype)."""
+        return replace(self, weight_storage=storage)
 
     @cached_property
     def v_head_dim(self) -> int:

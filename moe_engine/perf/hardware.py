@@ -14,7 +14,7 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
@@ -37,10 +37,11 @@ HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "host_logit_ns", "d
 DEFAULT_DISK_READ_GBPS = 2.0
 
 
-def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
+def spec_from_figures(fig: Mapping[str, Any], gemm_storage: Optional[str] = None) -> HardwareSpec:
     """HardwareSpec from a mapping with the HardwareConfig field names and units; profile-only
     keys (gemm, cpu_gemm, cpu_attention_gbps, op_overhead_us, host_*_us, layer_ops,
-    prefill_attention, decode_attention, moe_ffn) are read when present."""
+    prefill_attention, decode_attention, moe_ffn) are read when present. The GEMM points are
+    those of the packed storage `gemm_storage` (ModelSpec.weight_storage; None: the dtype's)."""
     device = fig.get("device", "cpu")
     device = getattr(device, "value", device)
     return HardwareSpec(
@@ -49,7 +50,8 @@ def spec_from_figures(fig: Mapping[str, Any]) -> HardwareSpec:
         link_bw=float(fig["link_gbps"]) * GB, device_bw=float(fig["device_bw_gbps"]) * GB,
         cpu_bw=float(fig["cpu_bw_gbps"]) * GB, device_flops=float(fig["device_tflops"]) * TFLOPS,
         cpu_flops=float(fig["cpu_tflops"]) * TFLOPS, cpu_cores=int(fig.get("cpu_cores", 1)),
-        gemm_points=_points(fig.get("gemm") or ()), cpu_gemm_points=_points(fig.get("cpu_gemm") or ()),
+        gemm_points=_points(fig.get("gemm") or (), gemm_storage),
+        cpu_gemm_points=_points(fig.get("cpu_gemm") or (), gemm_storage),
         cpu_attention_bw=float(fig["cpu_attention_gbps"]) * GB if fig.get("cpu_attention_gbps") else None,
         op_overhead_s=float(fig.get("op_overhead_us", 0.0)) * 1e-6,
         host_step_s=float(fig.get("host_step_us", 0.0)) * 1e-6,
@@ -87,9 +89,14 @@ def disk_read_gbps(fig: Mapping[str, Any]) -> float:
     return float(fig.get("disk_read_gbps") or DEFAULT_DISK_READ_GBPS)
 
 
-def _points(rows) -> tuple[GemmPoint, ...]:
+def gemm_storage_of(row: Mapping[str, Any]) -> Optional[str]:
+    """The packed storage a profiled GEMM row was measured in (None: its dtype's)."""
+    return row.get("storage") or None
+
+
+def _points(rows, storage: Optional[str] = None) -> tuple[GemmPoint, ...]:
     return tuple(GemmPoint(int(r["inp"]), int(r["out"]), int(r["tokens"]), int(r["dtype_bytes"]),
-                           float(r["gflops"]) * 1e9) for r in rows)
+                           float(r["gflops"]) * 1e9) for r in rows if gemm_storage_of(r) == storage)
 
 
 def load_preset(name: str, preset_dir: Path | str = PRESET_DIR) -> HardwareSpec:
@@ -237,10 +244,11 @@ def layouts_missing(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> lis
 
 def gemms_covered(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
     """Whether a profile has the engine-loop figures, the disk tier's read bandwidth and the
-    GEMM rates of each model's weight shapes in its dtype."""
-    have = {(r["inp"], r["out"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
+    GEMM rates of each model's weight shapes in its dtype and weight storage."""
+    have = {(r["inp"], r["out"], r["dtype_bytes"], gemm_storage_of(r)) for r in data.get("gemm") or ()}
     return (all(k in data for k in HOST_KEYS)
-            and all((i, o, m.dtype_bytes) in have for m in models for i, o in gemm_shapes(m)))
+            and all((i, o, m.dtype_bytes, m.weight_storage) in have
+                    for m in models for i, o in gemm_shapes(m)))
 
 
 def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
@@ -282,4 +290,4 @@ def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None
         data = load_profile(profile)
     merged = dict(figures)
     merged.update(data)
-    return spec_from_figures(merged)
+    return spec_from_figures(merged, model.weight_storage if model is not None else None)

@@ -48,6 +48,7 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     model = perf.ModelSpec.from_hf_config(model_dir, dtype=dtype)
     model = model.with_expert_storage(held_expert_storage(cfg.engine, model.expert_storage,
                                                           model.torch_dtype))
+    model = model.with_weight_storage(held_weight_storage(cfg.engine, model.torch_dtype))
     if cfg.hardware.profile == "auto":
         ensure_machine_profile(model, model_dir, dtype)
     hw = perf.hardware_spec_from_config(cfg.hardware, hardware_cache_dir(), model=model)
@@ -77,6 +78,18 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
     return None
 
 
+def held_weight_storage(engine, model_dtype: str = "bfloat16") -> Optional[str]:
+    """The storage the engine holds the dense projections and the LM head in when it is not
+    `model_dtype` (None), as LLMEngine decides it: bf16 pairs on the packed CPU kernels under
+    engine.matmul_precision=medium, for bf16 and fp32 models."""
+    packed_path = engine.backend is DeviceKind.cpu and engine.gemm is not GemmImpl.torch
+    floats = FLOAT_STORAGE.get(model_dtype)
+    if not packed_path or floats is None:
+        return None
+    held = precision_storage(floats, engine.matmul_precision.value)
+    return held if held != floats else None
+
+
 def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
     """Measure this machine (hardware.profile=auto) if its cached profile is missing or lacks the
     model's GEMM shapes. The profiler runs as its own process: it needs torch and the kernels,
@@ -90,6 +103,10 @@ def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
            "--model", str(model_dir)]
     if dtype != "auto":
         cmd += ["--dtype", dtype]
+    if model.expert_storage is not None:  # the held experts' layout (held_expert_storage)
+        cmd += ["--expert-storage", model.expert_storage]
+    if model.weight_storage is not None:  # the dense weights' GEMMs (held_weight_storage)
+        cmd += ["--weight-storage", model.weight_storage]
     subprocess.run(cmd, check=True)
 
 

@@ -32,8 +32,9 @@ from moe_engine.host_alloc import tune_host_allocator
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
-from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemms_covered, layer_ops_profiled, layouts_missing,
+from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, PAIR_STORAGE
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
 from moe_engine.tools.timing import median_time, rotation_copies
 
@@ -48,12 +49,14 @@ def _torch_dtype(dtype_bytes: int):
 
 
 def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[int, ...], fast: bool,
-                  device: str = "cpu") -> list[dict[str, Any]]:
+                  device: str = "cpu", storage: Optional[str] = None) -> list[dict[str, Any]]:
     """Achieved GFLOP/s per (shape, token count) of the GEMM the engine runs there: on the CPU
     the packed kernels (fp32 activations over weights stored in the model's dtype) when they
     are built, as the engine's default; else, and on CUDA, torch's F.linear in the model's
     dtype. Token counts stop growing for a shape once one call takes over 0.25 s (the time model
-    extrapolates the affine tail), which keeps LM-head-sized shapes from eating the time budget."""
+    extrapolates the affine tail), which keeps LM-head-sized shapes from eating the time budget.
+    `storage` (ModelSpec.weight_storage: bf16p under matmul_precision=medium) packs the weights
+    in that storage instead, and the rows name it."""
     import torch
     import torch.nn.functional as F
 
@@ -72,8 +75,8 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
         copies = rotation_copies(wbytes, llc, max_copies=256)
         base = torch.randn(out, inp, dtype=dt, device=device) * 0.02
         if use_packed:
-            storage = packed.storage_name(dt)
-            ws = [packed.pack_linear(base, storage) for _ in range(copies)]
+            ws = [packed.pack_linear(base, storage or packed.storage_name(dt))
+                  for _ in range(copies)]
         else:
             ws = [base] + [base.clone() for _ in range(copies - 1)]
         turn = [0]
@@ -89,6 +92,7 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
             x = torch.randn(n, inp, dtype=torch.float32 if use_packed else dt, device=device)
             sec = median_time(call, 0.01 if fast else 0.04, 3 if fast else 5, sync)
             rows.append({"inp": inp, "out": out, "tokens": n, "dtype_bytes": dtype_bytes,
+                         **({"storage": storage} if storage and use_packed else {}),
                          "gflops": round(2.0 * n * inp * out / sec / 1e9, 3)})
             if sec > 0.25:
                 break
@@ -335,7 +339,8 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     cpu_rows: list[dict[str, Any]] = []
     attention = []
     for m in models:
-        cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast)
+        cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast,
+                                  storage=m.weight_storage)
         attention.append(measure_attention(m, fast))
     layouts = measure_layers(models, tokens, fast)
     cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3
@@ -474,9 +479,11 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
 def _merge_gemms(data: dict[str, Any], extra: dict[str, Any]) -> None:
     """Add to `data` what a new measurement `extra` has that it lacks: GEMM points, models,
     engine-loop and disk figures, the decode-attention rate."""
-    have = {(r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) for r in data.get("gemm") or ()}
-    data["gemm"] = list(data.get("gemm") or ()) + [
-        r for r in extra["gemm"] if (r["inp"], r["out"], r["tokens"], r["dtype_bytes"]) not in have]
+    def key(r):
+        return r["inp"], r["out"], r["tokens"], r["dtype_bytes"], gemm_storage_of(r)
+
+    have = {key(r) for r in data.get("gemm") or ()}
+    data["gemm"] = list(data.get("gemm") or ()) + [r for r in extra["gemm"] if key(r) not in have]
     data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
     if any(key not in data for key in HOST_KEYS):
         # The engine-loop figures come from one measurement: an older profile's are replaced
@@ -510,12 +517,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", default=[],
                         help="built-in preset or checkpoint dir whose GEMM shapes to measure (repeatable)")
     parser.add_argument("--dtype", default=None, help="override the model dtype (bfloat16, float32)")
+    parser.add_argument("--expert-storage", default=None, choices=sorted(EXPERT_STORAGE_BITS),
+                        help="the storage the engine holds the routed experts in when it is not "
+                             "the checkpoint's (engine.expert_dtype=int8/int4, matmul_precision="
+                             "medium's bf16p): their call is profiled in it")
+    parser.add_argument("--weight-storage", default=None, choices=[PAIR_STORAGE],
+                        help="the storage the engine holds the dense projections and the LM head "
+                             "in when it is not the dtype's (matmul_precision=medium's bf16p): "
+                             "their GEMMs are profiled in it")
     parser.add_argument("--fast", action="store_true", help="fewer token counts and shorter timings (tests)")
     parser.add_argument("--threads", type=int, default=0, help="threads to measure with (0 = all cores)")
     parser.add_argument("--ensure", action="store_true",
                         help="keep the profile at --out and measure only what it lacks for the models")
     args = parser.parse_args(argv)
     models = [resolve_model(m, args.dtype) for m in args.model] or [_default_model()]
+    if args.expert_storage:
+        models = [m.with_expert_storage(args.expert_storage) for m in models]
+    if args.weight_storage:
+        models = [m.with_weight_storage(args.weight_storage) for m in models]
     out = args.out or hardware_cache_dir() / f"{machine_fingerprint()}.yaml"
     if args.ensure:
         for m in models:
