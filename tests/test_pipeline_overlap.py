@@ -54,27 +54,38 @@ def _run(model_dir, ratio: float, link_gbps, routing=None, trace=None) -> dict:
     return out
 
 
+def _overlap_round(model_dir) -> tuple[float, float, float, float]:
+    """(C, T, S, link GB/s): medians of three alternating rounds, the link set so T ~ C."""
+    probe = _run(model_dir, 0.0, None)
+    compute = statistics.median(_run(model_dir, 1.0, None)["wall"] for _ in range(2))
+    link_gbps = probe["bytes"] / compute / 1e9
+    cs, ts, ss = [], [], []
+    for _ in range(3):
+        cs.append(_run(model_dir, 1.0, None)["wall"])
+        slow = _run(model_dir, 0.0, link_gbps)
+        ts.append(slow["link_s"])
+        ss.append(slow["wall"])
+        assert slow["bytes"] > 0
+    return statistics.median(cs), statistics.median(ts), statistics.median(ss), link_gbps
+
+
 def test_step_time_is_less_than_transfer_plus_compute(tiny_mixtral_dir):
     """Overlap: S < C + T - 0.4 * min(C, T), where C is the run's time with every expert
     resident (no link), T the time the emulated link was busy when nothing is resident, and S
     that run's wall time. Serial execution gives S ~ C + T; perfect overlap S ~ max(C, T),
     i.e. min(C, T) hidden. The link is set so T ~ C, which makes the effect as large as it
-    gets; medians of three alternating rounds absorb the machine's noise."""
+    gets; medians of three alternating rounds absorb the machine's noise. A second set of
+    rounds is taken when the first hid too little: on a loaded 2-core VM the full suite once
+    measured C twice its usual time and 3% hidden, where the same test alone hid 70-92%; a
+    pipeline that serializes fails both."""
     _run(tiny_mixtral_dir, 1.0, None)  # warm-up
-    probe = _run(tiny_mixtral_dir, 0.0, None)
-    compute = statistics.median(_run(tiny_mixtral_dir, 1.0, None)["wall"] for _ in range(2))
-    link_gbps = probe["bytes"] / compute / 1e9
-    cs, ts, ss = [], [], []
-    for _ in range(3):
-        cs.append(_run(tiny_mixtral_dir, 1.0, None)["wall"])
-        slow = _run(tiny_mixtral_dir, 0.0, link_gbps)
-        ts.append(slow["link_s"])
-        ss.append(slow["wall"])
-        assert slow["bytes"] > 0
-    c, t, s = statistics.median(cs), statistics.median(ts), statistics.median(ss)
-    hidden = c + t - s
-    print(f"C={c:.3f}s T={t:.3f}s S={s:.3f}s hidden={hidden:.3f}s "
-          f"({hidden / min(c, t):.0%} of min(C, T)) link={link_gbps * 1e3:.0f} MB/s")
+    for attempt in range(2):
+        c, t, s, link_gbps = _overlap_round(tiny_mixtral_dir)
+        hidden = c + t - s
+        print(f"C={c:.3f}s T={t:.3f}s S={s:.3f}s hidden={hidden:.3f}s "
+              f"({hidden / min(c, t):.0%} of min(C, T)) link={link_gbps * 1e3:.0f} MB/s")
+        if t > 0.5 * c and hidden > 0.4 * min(c, t):
+            break
     assert t > 0.5 * c  # the link really was slow enough to matter
     assert hidden > 0.4 * min(c, t), (c, t, s)
 
