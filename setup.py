@@ -46,8 +46,15 @@ def _compiler_accepts(flags: list[str]) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "probe.c")
         with open(src, "w") as f:
-            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n"
-                    if "-fopenmp" in flags else "int main(void){return 0;}\n")
+            if "-fopenmp" in flags:
+                f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n")
+            elif "-mamx-tile" in flags:
+                # a compiler can take -mamx-* before its assembler knows the instructions
+                # (GCC 11 with binutils < 2.36): the probe has to emit one
+                f.write("#include <immintrin.h>\nint main(int c, char **v)"
+                        "{if (c > 5) _tile_release(); return v == 0;}\n")
+            else:
+                f.write("int main(void){return 0;}\n")
         result = subprocess.run([cc, *flags, src, "-o", os.path.join(tmp, "probe")],
                                 capture_output=True)
         return result.returncode == 0

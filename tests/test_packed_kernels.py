@@ -229,16 +229,18 @@ def test_moe_ffn_rejects_an_absent_expert():
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("storage", ["bf16", "bf16p"])
 def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
-    """Bitwise: one row alone, in a batch of 7 and of 64, at another position."""
+    """Bitwise: one row alone, in a batch of 7, of 64 and of 500, at another position. 136 and
+    104 inputs are not whole AMX steps of 32 (the amx build adds the last pairs after its
+    tiles); 500 rows give each expert more than one 96-row work item and the linear six."""
     torch.manual_seed(0)
-    hidden, inter = 128, 96
+    hidden, inter = 136, 104
     _, _, experts = _experts(8, hidden, inter, storage)
     lin = packed.pack_linear(torch.randn(200, hidden), storage)
     row = torch.randn(1, hidden)
     idx, wts = torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]])
     alone_ffn = packed.packed_moe_ffn(experts, row, wts, idx, isa=isa, threads=1)
     alone_lin = packed.packed_linear(row, lin, isa=isa, threads=1)
-    for batch, pos in ((7, 3), (64, 50)):
+    for batch, pos in ((7, 3), (64, 50), (500, 420)):
         h = torch.randn(batch, hidden)
         h[pos] = row[0]
         indices = torch.randint(0, 8, (batch, 2))

@@ -258,3 +258,22 @@ def test_ensure_with_the_held_storage_covers_what_the_policy_asks(tiny, tiny_pro
         plain = spec_from_figures(profile).gemm_points
         pairs = spec_from_figures(profile, weights).gemm_points
         assert plain and pairs and set(plain).isdisjoint(pairs)
+
+
+def test_gemm_points_of_a_storage_fall_back_to_the_untagged_ones(tiny, tiny_profile):
+    """A profile without bf16p rows (written before rows were tagged, or by hand) prices a
+    medium model's GEMMs on its untagged points, as before, not at the compute roof; coverage
+    still asks for the tagged rows, wherever the profile keeps the packed kernels' rows (a CUDA
+    machine's profile: cpu_gemm)."""
+    from moe_engine.perf.hardware import gemms_covered
+
+    _, data = tiny_profile
+    plain = spec_from_figures(data).gemm_points
+    assert plain and spec_from_figures(data, "bf16p").gemm_points == plain
+    medium = tiny.with_weight_storage("bf16p")
+    assert gemms_covered(data, [tiny]) and not gemms_covered(data, [medium])
+    tagged = [{**r, "storage": "bf16p", "gflops": 2 * r["gflops"]} for r in data["gemm"]]
+    on_cuda = {**data, "gemm": [], "cpu_gemm": data["gemm"] + tagged}
+    assert gemms_covered(on_cuda, [medium]) and gemms_covered(on_cuda, [tiny])
+    pairs = spec_from_figures(on_cuda, "bf16p").cpu_gemm_points
+    assert pairs and all(p.flops_per_s == 2 * q.flops_per_s for p, q in zip(pairs, plain))

@@ -95,8 +95,15 @@ def gemm_storage_of(row: Mapping[str, Any]) -> Optional[str]:
 
 
 def _points(rows, storage: Optional[str] = None) -> tuple[GemmPoint, ...]:
+    """The GEMM points measured in `storage`; a profile with none (one written before storages
+    were tagged, or a hand-made one) gives its untagged points, the dtype's, as it always did,
+    rather than none (which would price every GEMM at the compute roof)."""
+    rows = list(rows)
+    chosen = [r for r in rows if gemm_storage_of(r) == storage]
+    if not chosen and storage is not None:
+        chosen = [r for r in rows if gemm_storage_of(r) is None]
     return tuple(GemmPoint(int(r["inp"]), int(r["out"]), int(r["tokens"]), int(r["dtype_bytes"]),
-                           float(r["gflops"]) * 1e9) for r in rows if gemm_storage_of(r) == storage)
+                           float(r["gflops"]) * 1e9) for r in chosen)
 
 
 def load_preset(name: str, preset_dir: Path | str = PRESET_DIR) -> HardwareSpec:
@@ -142,9 +149,10 @@ def machine_fingerprint() -> str:
     parts.append(f"cython={cython_kernel_built()}")
     # GEMM rates are measured on the packed kernels when they are built (the engine's default):
     # a rebuild that adds an ISA path (or changes a kernel) and a forced build (MOE_BATCH_ISA)
-    # measure other kernels, so neither reuses the profile
+    # measure other kernels, so neither reuses the profile (a checkout built in another folder
+    # measures once too: the extension embeds its build path)
     parts.append(f"packed={kernel_digest(PACKED_KERNEL_NAME)}")
-    parts.append(f"isa={os.environ.get('MOE_BATCH_ISA', 'cpuid')}")
+    parts.append(f"isa={os.environ.get('MOE_BATCH_ISA') or 'cpuid'}")
     # The engine's steps run under a tuned malloc (moe_engine/host_alloc.py); small steps' times
     # depend on it, so a profile measured under other settings is not reused.
     parts.append(f"malloc={allocator_fingerprint()}")
@@ -245,7 +253,9 @@ def layouts_missing(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> lis
 def gemms_covered(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
     """Whether a profile has the engine-loop figures, the disk tier's read bandwidth and the
     GEMM rates of each model's weight shapes in its dtype and weight storage."""
-    have = {(r["inp"], r["out"], r["dtype_bytes"], gemm_storage_of(r)) for r in data.get("gemm") or ()}
+    # a CUDA machine's profile keeps the packed kernels' rows in cpu_gemm, the device's in gemm
+    rows = [*(data.get("gemm") or ()), *(data.get("cpu_gemm") or ())]
+    have = {(r["inp"], r["out"], r["dtype_bytes"], gemm_storage_of(r)) for r in rows}
     return (all(k in data for k in HOST_KEYS)
             and all((i, o, m.dtype_bytes, m.weight_storage) in have
                     for m in models for i, o in gemm_shapes(m)))

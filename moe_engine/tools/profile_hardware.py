@@ -479,11 +479,13 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
 def _merge_gemms(data: dict[str, Any], extra: dict[str, Any]) -> None:
     """Add to `data` what a new measurement `extra` has that it lacks: GEMM points, models,
     engine-loop and disk figures, the decode-attention rate."""
-    def key(r):
+    def row_key(r):
         return r["inp"], r["out"], r["tokens"], r["dtype_bytes"], gemm_storage_of(r)
 
-    have = {key(r) for r in data.get("gemm") or ()}
-    data["gemm"] = list(data.get("gemm") or ()) + [r for r in extra["gemm"] if key(r) not in have]
+    for table in ("gemm", "cpu_gemm"):  # cpu_gemm: the packed kernels' rows on a CUDA machine
+        have = {row_key(r) for r in data.get(table) or ()}
+        data[table] = list(data.get(table) or ()) + [r for r in extra.get(table) or ()
+                                                     if row_key(r) not in have]
     data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
     if any(key not in data for key in HOST_KEYS):
         # The engine-loop figures come from one measurement: an older profile's are replaced
