@@ -260,6 +260,34 @@ def test_ensure_with_the_held_storage_covers_what_the_policy_asks(tiny, tiny_pro
         assert plain and pairs and set(plain).isdisjoint(pairs)
 
 
+def test_ensure_for_widened_mxfp4_experts_profiles_the_model_dtype(tiny_profile, tmp_path,
+                                                                   monkeypatch):
+    """An MXFP4 checkpoint's experts are widened to the model dtype on torch's GEMMs
+    (engine.gemm=torch): the policy holds them as None, so the profiler, which reads the
+    checkpoint's own MXFP4, must be told; before, it profiled the MXFP4 call, the profile never
+    covered the held model and the policy stage failed with ProfileMissing."""
+    from moe_engine.model.spec import MODEL_DTYPE_STORAGE
+    from moe_engine.perf.hardware import load_profile, profile_covers
+    from moe_engine.stages import policy
+    from moe_engine.tools.profile_hardware import resolve_model
+
+    checkpoint = resolve_model("tiny-gpt-oss-mxfp4")
+    assert checkpoint.expert_storage == "mxfp4"
+    held = checkpoint.with_expert_storage(None)
+    out = tmp_path / "profile.yaml"
+    out.write_text(yaml.safe_dump(tiny_profile[1]))
+    commands = []
+    monkeypatch.setattr(policy.subprocess, "run", lambda cmd, check: commands.append(cmd))
+    monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path / "cache"))
+    policy.ensure_machine_profile(held, "tiny-gpt-oss-mxfp4", "auto")
+    cli = commands[0][commands[0].index("moe_engine.tools.profile_hardware") + 1:]
+    assert cli[cli.index("--expert-storage") + 1] == MODEL_DTYPE_STORAGE
+    at = cli.index("--out")
+    assert main([*cli[:at + 1], str(out), *cli[at + 2:], "--fast"]) == 0
+    profile = load_profile(out)
+    assert profile_covers(profile, [held]) and not profile_covers(profile, [checkpoint])
+
+
 def test_gemm_points_of_a_storage_fall_back_to_the_untagged_ones(tiny, tiny_profile):
     """A profile without bf16p rows (written before rows were tagged, or by hand) prices a
     medium model's GEMMs on its untagged points, as before, not at the compute roof; coverage

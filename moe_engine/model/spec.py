@@ -32,6 +32,9 @@ _DTYPE_OF_WIDTH = {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}
 # medium), another kernel path at 16 bits a weight, whatever the checkpoint's dtype
 PAIR_STORAGE = "bf16p"
 EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, PAIR_STORAGE: 16.0}
+# The profiler's name for routed experts held in the model dtype, not in the checkpoint's own
+# storage (an MXFP4 checkpoint's experts, widened for torch's GEMMs): ModelSpec storage None
+MODEL_DTYPE_STORAGE = "dtype"
 # packed storage of a float checkpoint dtype (torch's name)
 FLOAT_STORAGE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

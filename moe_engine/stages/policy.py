@@ -19,7 +19,8 @@ import polars as pl
 
 from moe_engine.config import AppConfig, DeviceKind, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.io import hardware_cache_dir, write_text_atomic
-from moe_engine.model.spec import EXPERT_STORAGE_BITS, FLOAT_STORAGE, precision_storage
+from moe_engine.model.spec import (EXPERT_STORAGE_BITS, FLOAT_STORAGE, MODEL_DTYPE_STORAGE,
+                                    precision_storage)
 from moe_engine.stages.tables import STATUS_PENDING
 
 
@@ -103,8 +104,10 @@ def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
            "--model", str(model_dir)]
     if dtype != "auto":
         cmd += ["--dtype", dtype]
-    if model.expert_storage is not None:  # the held experts' layout (held_expert_storage)
-        cmd += ["--expert-storage", model.expert_storage]
+    # The held experts' layout (held_expert_storage), always named: the profiler reads the
+    # checkpoint, whose own storage (MXFP4) the engine may widen to the model dtype (torch's
+    # GEMMs), and a profile of the checkpoint's layout would never cover what is held.
+    cmd += ["--expert-storage", model.expert_storage or MODEL_DTYPE_STORAGE]
     if model.weight_storage is not None:  # the dense weights' GEMMs (held_weight_storage)
         cmd += ["--weight-storage", model.weight_storage]
     subprocess.run(cmd, check=True)

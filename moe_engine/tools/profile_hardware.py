@@ -34,7 +34,7 @@ from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir,
 # gemm_shapes is re-exported: callers import it from here.
 from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
-from moe_engine.model.spec import EXPERT_STORAGE_BITS, PAIR_STORAGE
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
 from moe_engine.tools.timing import median_time, rotation_copies
 
@@ -519,10 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", default=[],
                         help="built-in preset or checkpoint dir whose GEMM shapes to measure (repeatable)")
     parser.add_argument("--dtype", default=None, help="override the model dtype (bfloat16, float32)")
-    parser.add_argument("--expert-storage", default=None, choices=sorted(EXPERT_STORAGE_BITS),
+    parser.add_argument("--expert-storage", default=None,
+                        choices=sorted(EXPERT_STORAGE_BITS) + [MODEL_DTYPE_STORAGE],
                         help="the storage the engine holds the routed experts in when it is not "
                              "the checkpoint's (engine.expert_dtype=int8/int4, matmul_precision="
-                             "medium's bf16p): their call is profiled in it")
+                             f"medium's bf16p; '{MODEL_DTYPE_STORAGE}': the model dtype, as an "
+                             "MXFP4 checkpoint's experts widened for torch's GEMMs): their call "
+                             "is profiled in it")
     parser.add_argument("--weight-storage", default=None, choices=[PAIR_STORAGE],
                         help="the storage the engine holds the dense projections and the LM head "
                              "in when it is not the dtype's (matmul_precision=medium's bf16p): "
@@ -534,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     models = [resolve_model(m, args.dtype) for m in args.model] or [_default_model()]
     if args.expert_storage:
-        models = [m.with_expert_storage(args.expert_storage) for m in models]
+        held = None if args.expert_storage == MODEL_DTYPE_STORAGE else args.expert_storage
+        models = [m.with_expert_storage(held) for m in models]
     if args.weight_storage:
         models = [m.with_weight_storage(args.weight_storage) for m in models]
     out = args.out or hardware_cache_dir() / f"{machine_fingerprint()}.yaml"
