@@ -30,8 +30,9 @@ def test_missing_profile_runs_the_profiler_for_the_checkpoint(tmp_path, monkeypa
     monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
     stage.ensure_machine_profile(model, model_dir, "bfloat16")
     path = cached_profile_path(tmp_path / "hw")
+    # the held experts' storage is always named: here the model dtype's (the checkpoint's own)
     assert calls == [[sys.executable, "-m", "moe_engine.tools.profile_hardware", "--ensure", "--out", str(path),
-                      "--model", str(model_dir), "--dtype", "bfloat16"]]
+                      "--model", str(model_dir), "--dtype", "bfloat16", "--expert-storage", "dtype"]]
 
 
 def _gemm_profile(model) -> dict:
