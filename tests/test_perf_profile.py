@@ -228,6 +228,23 @@ def test_a_forced_isa_build_or_another_kernel_build_is_another_machine(monkeypat
     assert machine_fingerprint() != first
 
 
+def _policy_profiler_cli(held, model_dir, tmp_path, monkeypatch) -> list[str]:
+    """The profiler arguments the policy stage's ensure_machine_profile runs for `held`."""
+    from moe_engine.stages import policy
+
+    commands = []
+    monkeypatch.setattr(policy.subprocess, "run", lambda cmd, check: commands.append(cmd))
+    monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path / "cache"))
+    policy.ensure_machine_profile(held, model_dir, "auto")
+    return commands[0][commands[0].index("moe_engine.tools.profile_hardware") + 1:]
+
+
+def _run_profiler_cli(cli: list[str], out) -> None:
+    """Runs those arguments, fast, writing the profile to `out` instead."""
+    at = cli.index("--out")
+    assert main([*cli[:at + 1], str(out), *cli[at + 2:], "--fast"]) == 0
+
+
 @pytest.mark.parametrize("experts, weights", [("int8", None), ("bf16p", "bf16p")])
 def test_ensure_with_the_held_storage_covers_what_the_policy_asks(tiny, tiny_profile, tmp_path,
                                                                   monkeypatch, experts, weights):
@@ -236,22 +253,16 @@ def test_ensure_with_the_held_storage_covers_what_the_policy_asks(tiny, tiny_pro
     under layout key x<storage>, the dense GEMMs in bf16p. The profiler it runs must measure
     those, or the stage's profile never covers the model."""
     from moe_engine.perf.hardware import load_profile, profile_covers
-    from moe_engine.stages import policy
 
     _, data = tiny_profile
     out = tmp_path / "profile.yaml"
     out.write_text(yaml.safe_dump(data))
     held = tiny.with_expert_storage(experts).with_weight_storage(weights)
     assert not profile_covers(load_profile(out), [held])
-    commands = []
-    monkeypatch.setattr(policy.subprocess, "run", lambda cmd, check: commands.append(cmd))
-    monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path / "cache"))
-    policy.ensure_machine_profile(held, "tiny-mixtral", "auto")
-    cli = commands[0][commands[0].index("moe_engine.tools.profile_hardware") + 1:]
+    cli = _policy_profiler_cli(held, "tiny-mixtral", tmp_path, monkeypatch)
     asked = ["--expert-storage", experts] + (["--weight-storage", weights] if weights else [])
     assert cli[cli.index("--expert-storage"):] == asked
-    at = cli.index("--out")
-    assert main([*cli[:at + 1], str(out), *cli[at + 2:], "--fast"]) == 0
+    _run_profiler_cli(cli, out)
     profile = load_profile(out)
     assert profile_covers(profile, [held]) and profile_covers(profile, [tiny])
     if weights:  # the plain and the bf16p GEMM points, each read for its own model
@@ -268,7 +279,6 @@ def test_ensure_for_widened_mxfp4_experts_profiles_the_model_dtype(tiny_profile,
     covered the held model and the policy stage failed with ProfileMissing."""
     from moe_engine.model.spec import MODEL_DTYPE_STORAGE
     from moe_engine.perf.hardware import load_profile, profile_covers
-    from moe_engine.stages import policy
     from moe_engine.tools.profile_hardware import resolve_model
 
     checkpoint = resolve_model("tiny-gpt-oss-mxfp4")
@@ -276,14 +286,9 @@ def test_ensure_for_widened_mxfp4_experts_profiles_the_model_dtype(tiny_profile,
     held = checkpoint.with_expert_storage(None)
     out = tmp_path / "profile.yaml"
     out.write_text(yaml.safe_dump(tiny_profile[1]))
-    commands = []
-    monkeypatch.setattr(policy.subprocess, "run", lambda cmd, check: commands.append(cmd))
-    monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path / "cache"))
-    policy.ensure_machine_profile(held, "tiny-gpt-oss-mxfp4", "auto")
-    cli = commands[0][commands[0].index("moe_engine.tools.profile_hardware") + 1:]
+    cli = _policy_profiler_cli(held, "tiny-gpt-oss-mxfp4", tmp_path, monkeypatch)
     assert cli[cli.index("--expert-storage") + 1] == MODEL_DTYPE_STORAGE
-    at = cli.index("--out")
-    assert main([*cli[:at + 1], str(out), *cli[at + 2:], "--fast"]) == 0
+    _run_profiler_cli(cli, out)
     profile = load_profile(out)
     assert profile_covers(profile, [held]) and not profile_covers(profile, [checkpoint])
 
