@@ -81,3 +81,27 @@ def test_a_mixed_step_costs_its_prefill_and_decode_together():
                  for b in step_trace(tuple(prompts), tuple(gens), 64, 2048))
     assert pred.prefill_s + pred.decode_s == pytest.approx(traced)
     assert pred.throughput_tok_s == pytest.approx(sum(gens) / traced)
+
+
+def test_bucket_edges_are_the_first_power_of_1_25_at_or_above_the_count():
+    """`_edge` bisects a table of edges; past the table it walks on. Either way a count lands
+    in the bucket the repeated-multiplication definition gives, boundaries included."""
+    from moe_engine.perf.schedule import _edge
+
+    def by_definition(n: float) -> int:
+        if n <= 0:
+            return 0
+        i, edge = 1, 1.25
+        while n > edge:
+            edge *= 1.25
+            i += 1
+        return i
+
+    rng = random.Random(7)
+    counts = [0, -3, 0.4, 1, 1.25, 1.26, 1e19, 3e19, 1e30] + list(range(1, 3000))
+    counts += [rng.random() * 10 ** rng.randint(0, 12) for _ in range(3000)]
+    edge = 1.0
+    for _ in range(230):  # every edge of the table and past it, and its float neighbours
+        counts += [edge, edge * (1 + 1e-15), edge * (1 - 1e-15)]
+        edge *= 1.25
+    assert [_edge(n) for n in counts] == [by_definition(n) for n in counts]

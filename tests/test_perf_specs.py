@@ -281,3 +281,25 @@ def test_sliding_layers_attend_their_window_in_the_decode_cost():
     assert long.local_bytes == pytest.approx(short.local_bytes * (4096 + 128) / 256)
     mixtral = reference_model("mixtral-8x7b")
     assert mixtral.attended_context(4096) == 4096 and m.num_windowed_layers == 12
+
+
+def test_hardware_spec_hashes_by_its_fields_once_and_shares_its_processors():
+    """The cost model keys its processors (and their GEMM memo) by the spec: equal specs share
+    them, a changed field gets its own, and the memo answers what the roofline computes."""
+    import dataclasses
+
+    from moe_engine.perf.roofline import cpu_processor, device_processor, gemm_time
+
+    hw = load_preset("l4")
+    twin = dataclasses.replace(hw)
+    faster = dataclasses.replace(hw, device_flops=hw.device_flops * 2)
+    assert hw == twin and hash(hw) == hash(twin)
+    assert hash(faster) != hash(hw)
+    assert device_processor(hw) is device_processor(twin)
+    assert device_processor(faster) is not device_processor(hw)
+    assert cpu_processor(hw) is cpu_processor(twin)
+    proc = device_processor(faster)
+    for tokens in (1, 7.5, 4096):
+        want = gemm_time(tokens, 4096, 14336, 2, faster.device_flops, faster.device_bw)
+        assert proc.gemm(tokens, 4096, 14336, 2) == want
+        assert proc.gemm(tokens, 4096, 14336, 2) == want  # from the memo

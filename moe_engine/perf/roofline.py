@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .specs import (GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
@@ -109,12 +109,21 @@ def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> floa
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-@dataclass(frozen=True)
+# Entries a processor remembers before it starts over (~150 bytes each): a search asks for
+# ~10^4 distinct GEMMs; a traced run's fractional token counts could grow it without end.
+_MEMO_ENTRIES = 1 << 15
+
+
+@dataclass(frozen=True, eq=False)
 class Processor:
     """One compute unit as the roofline sees it, with what was profiled on it: GEMM rates per
     shape, a layer's element-wise work, prefill attention and routed-expert calls per layer
     layout (decode attention runs on the CPU only: `cpu_attention_time` reads the spec's
-    points)."""
+    points).
+
+    It remembers the GEMM times it was asked for: the policy search prices the same shapes at
+    the same token counts for every candidate policy (the golden-section search over r_c
+    changes no GEMM at all). Equality is identity, so the memo is never hashed."""
 
     flops: float
     bw: float
@@ -123,9 +132,17 @@ class Processor:
     layer_ops_points: tuple[LayerOpsPoint, ...] = ()
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
     moe_ffn_points: tuple[MoeFfnPoint, ...] = ()
+    _gemm_memo: dict[tuple[float, int, int, float], float] = field(default_factory=dict, init=False, repr=False)
 
     def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
-        return gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw, self.gemm_points)
+        key = (tokens, inp, out, dtype_bytes)
+        t = self._gemm_memo.get(key)
+        if t is None:
+            if len(self._gemm_memo) >= _MEMO_ENTRIES:
+                self._gemm_memo.clear()
+            t = self._gemm_memo[key] = gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw,
+                                                 self.gemm_points)
+        return t
 
     def layer_ops(self, m: ModelSpec, tokens: float) -> tuple[float, float] | None:
         """Profiled (before, after attention) element-wise seconds of one of `m`'s layers at
@@ -152,6 +169,9 @@ class Processor:
         return _layout_curve(self.prefill_attention_points, layer_layout(m))
 
 
+# One processor per spec, so its memo serves every candidate of a search (a spec's hash is
+# cached: `HardwareSpec.__hash__`).
+@lru_cache(maxsize=16)
 def device_processor(hw: HardwareSpec) -> Processor:
     # The element-wise and prefill-attention points are the CPU's: they describe the device
     # only when the CPU is the device.
@@ -162,6 +182,7 @@ def device_processor(hw: HardwareSpec) -> Processor:
                      hw.moe_ffn_points if cpu_only else ())
 
 
+@lru_cache(maxsize=16)
 def cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
     return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,

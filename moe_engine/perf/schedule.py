@@ -16,6 +16,7 @@ step's tokens evenly).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,13 +39,28 @@ class StepBucket:
         return self.prefill_prompts > 0
 
 
+def _geometric_edges(count: int) -> tuple[float, ...]:
+    """1, 1.25, 1.25^2, ... by repeated multiplication, `count` of them."""
+    edges = [1.0]
+    for _ in range(count - 1):
+        edges.append(edges[-1] * 1.25)
+    return tuple(edges)
+
+
+# Past 1.25^199 (~2e19) no count reaches; `_edge` walks on for one that would.
+_EDGES = _geometric_edges(200)
+
+
 def _edge(n: float) -> int:
     """Geometric bucket index of a count (0 for none; ratio about 1.25 between edges), so steps
-    of similar size share one cost evaluation."""
+    of similar size share one cost evaluation: the first edge at or above n (index 1 for n up
+    to 1.25). A bisection, since the search buckets millions of steps."""
     if n <= 0:
         return 0
-    i, edge = 1, 1.0
-    while n > edge * 1.25:
+    if n <= _EDGES[-1]:
+        return bisect.bisect_left(_EDGES, n, 1)
+    i, edge = len(_EDGES) - 1, _EDGES[-1]
+    while n > edge:
         edge *= 1.25
         i += 1
     return i
@@ -104,7 +120,9 @@ def step_shapes(prompt_lengths: Sequence[int], gen_lengths: Sequence[int], max_s
         step += 1
 
 
-@lru_cache(maxsize=64)
+# The policy search asks for one trace per (N, pass size) pair it scores: a few hundred, each
+# asked for again by every micro-batch size and placement. Fewer slots than pairs thrashed.
+@lru_cache(maxsize=1024)
 def step_trace(prompt_lengths: tuple[int, ...], gen_lengths: tuple[int, ...], max_seqs: int,
                prefill_budget: int) -> tuple[StepBucket, ...]:
     """`step_shapes` grouped into buckets of steps with about the same prefill tokens and decode

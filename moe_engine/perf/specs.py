@@ -7,7 +7,8 @@ own ModelSpec (model/spec.py, the one reader of config.json), re-exported here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Sequence
 
 from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError, dtype_bytes_of
@@ -127,6 +128,16 @@ class HardwareSpec:
     def is_cpu_only(self) -> bool:
         return self.device_kind == "cpu"
 
+    # The hash of every field, as the dataclass would compute it, computed once: the cost
+    # model keys its processors by the spec (`roofline.cpu_processor`) ~10^5 times a search,
+    # and a profiled spec hashes ~100 points each time (30 us).
+    @cached_property
+    def _fields_hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        return self._fields_hash
+
     def host_seq_cost(self, vocab_size: int) -> float:
         """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
         return self.host_seq_s + vocab_size * self.host_logit_s
@@ -167,13 +178,15 @@ class WorkloadSpec:
     def mean_seq_len(self) -> float:
         return self.mean_prompt + self.gen_len
 
-    @property
+    # Cached (frozen, so they never go stale): the policy search reads both for every
+    # candidate, and a shard's lengths run to 10^5 rows.
+    @cached_property
     def prefill_only(self) -> bool:
         """Every request ends at the token its prefill yields (scoring runs, max_new_tokens=1):
         no decode step runs, so the engine packs prompts by the token budget alone."""
         return all(g == 1 for g in self.gen_lengths) if self.gen_lengths else self.gen_len == 1
 
-    @property
+    @cached_property
     def sum_prompt_sq(self) -> float:
         """Mean of prompt length squared (prefill attention is quadratic per sequence)."""
         if self.prompt_lengths:
