@@ -224,3 +224,7 @@ def test_policy_prices_the_dense_weights_the_engine_will_hold():
     medium = "engine.matmul_precision=medium"
     assert held([]) is None and held([medium]) == "bf16p"
     assert held([medium], "float32") == "bf16p" and held([medium], "float16") is None
+    # torch's GEMMs on the CPU are another path (the model dtype's F.linear, activations in
+    # the model dtype); a device backend's GEMMs are the device's
+    assert held(["engine.gemm=torch"]) == "torch" == held(["engine.gemm=torch"], "float32")
+    assert held(["engine.backend=cuda"]) is None and held(["engine.backend=cuda", "engine.gemm=torch"]) is None

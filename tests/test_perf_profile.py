@@ -293,6 +293,41 @@ def test_ensure_for_widened_mxfp4_experts_profiles_the_model_dtype(tiny_profile,
     assert profile_covers(profile, [held]) and not profile_covers(profile, [checkpoint])
 
 
+def test_ensure_for_torch_gemms_profiles_torch_in_the_model_dtype(tiny, tiny_profile, tmp_path,
+                                                                monkeypatch):
+    """engine.gemm=torch on the CPU runs every projection on F.linear and the layer's other work
+    in the model dtype, where the packed kernels are built too: the policy holds the model as
+    TORCH_GEMM_STORAGE, and the profiler it runs times torch's path (the packed kernels are
+    never called), under GEMM rows and a layer layout of its own. Before, the profile had only
+    the packed kernels' points and the prediction of such a run was 2x high."""
+    from moe_engine.model import packed
+    from moe_engine.model.spec import MODEL_DTYPE_STORAGE, TORCH_GEMM_STORAGE
+    from moe_engine.perf.hardware import load_profile, profile_covers
+    from moe_engine.perf.specs import layer_layout
+
+    held = tiny.with_weight_storage(TORCH_GEMM_STORAGE)
+    assert layer_layout(held) != layer_layout(tiny)
+    out = tmp_path / "profile.yaml"
+    out.write_text(yaml.safe_dump(tiny_profile[1]))
+    assert not profile_covers(load_profile(out), [held])
+    cli = _policy_profiler_cli(held, "tiny-mixtral", tmp_path, monkeypatch)
+    assert cli[cli.index("--expert-storage"):] == ["--expert-storage", MODEL_DTYPE_STORAGE,
+                                                    "--weight-storage", TORCH_GEMM_STORAGE]
+
+    def not_on_torch_gemms(*args, **kwargs):
+        raise AssertionError("the packed kernels ran in a torch-GEMM profile")
+
+    for name in ("packed_linear", "pack_linear", "pack_expert", "packed_moe_ffn"):
+        monkeypatch.setattr(packed, name, not_on_torch_gemms)
+    _run_profiler_cli(cli, out)
+    profile = load_profile(out)
+    assert profile_covers(profile, [held]) and profile_covers(profile, [tiny])
+    plain = spec_from_figures(profile).gemm_points
+    on_torch = spec_from_figures(profile, TORCH_GEMM_STORAGE).gemm_points
+    assert plain and on_torch and set(plain).isdisjoint(on_torch)
+    assert {r["layout"] for r in profile["moe_ffn"]} >= {layer_layout(tiny), layer_layout(held)}
+
+
 def test_gemm_points_of_a_storage_fall_back_to_the_untagged_ones(tiny, tiny_profile):
     """A profile without bf16p rows (written before rows were tagged, or by hand) prices a
     medium model's GEMMs on its untagged points, as before, not at the compute roof; coverage

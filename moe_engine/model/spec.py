@@ -35,6 +35,10 @@ EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, PA
 # The profiler's name for routed experts held in the model dtype, not in the checkpoint's own
 # storage (an MXFP4 checkpoint's experts, widened for torch's GEMMs): ModelSpec storage None
 MODEL_DTYPE_STORAGE = "dtype"
+# The weight storage of a model run on torch's GEMMs on the CPU (engine.gemm=torch): weights
+# and activations in the model dtype, F.linear for every projection, the experts one GEMM pair
+# each. Another kernel path for the performance model, whose profiled points name it.
+TORCH_GEMM_STORAGE = "torch"
 # packed storage of a float checkpoint dtype (torch's name)
 FLOAT_STORAGE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -202,8 +206,9 @@ class ModelSpec:
     # quantization_config, "int8"/"int4" from engine.expert_dtype); None: in torch_dtype.
     expert_storage: Optional[str] = None
     # The dense projections and the LM head held in another storage than torch_dtype by the
-    # packed kernels (PAIR_STORAGE under engine.matmul_precision=medium): their GEMMs are
-    # priced on that kernel's profiled points. None: torch_dtype.
+    # packed kernels (PAIR_STORAGE under engine.matmul_precision=medium), or the whole model on
+    # torch's GEMMs (TORCH_GEMM_STORAGE): their GEMMs are priced on that path's profiled
+    # points. None: torch_dtype on the packed kernels.
     weight_storage: Optional[str] = None
     # Llama-4. router_scales_input: each chosen expert runs on the token's hidden state times
     # its routing weight, and the outputs are summed unweighted (layers.input_scaled_routing).
@@ -243,9 +248,9 @@ class ModelSpec:
         if self.expert_storage is not None and self.expert_storage not in EXPERT_STORAGE_BITS:
             raise ValueError(f"expert storage {self.expert_storage!r}: expected one of "
                              f"{sorted(EXPERT_STORAGE_BITS)} or None")
-        if self.weight_storage not in (None, PAIR_STORAGE):
+        if self.weight_storage not in (None, PAIR_STORAGE, TORCH_GEMM_STORAGE):
             raise ValueError(f"weight storage {self.weight_storage!r}: expected "
-                             f"{PAIR_STORAGE!r} or None")
+                             f"{PAIR_STORAGE!r}, {TORCH_GEMM_STORAGE!r} or None")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.expert_activation!r}: expected one of "
                              f"{EXPERT_ACTIVATIONS}")

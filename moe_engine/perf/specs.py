@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Sequence
 
-from moe_engine.model.spec import GB, ModelSpec, UnsupportedModelError, dtype_bytes_of
+from moe_engine.model.spec import GB, TORCH_GEMM_STORAGE, ModelSpec, UnsupportedModelError, dtype_bytes_of
 
 TFLOPS = 1e12
 
@@ -80,6 +80,8 @@ def layer_layout(m: ModelSpec) -> str:
     parts += [k if v is True else f"{k}{v}" for k, v in flags.items() if v]
     if m.expert_storage:  # experts held quantized (MXFP4, int8, int4): another kernel path
         parts.append(f"x{m.expert_storage}")
+    if m.weight_storage == TORCH_GEMM_STORAGE:  # torch's GEMMs: activations in the model dtype
+        parts.append(TORCH_GEMM_STORAGE)
     return "-".join(parts)
 
 

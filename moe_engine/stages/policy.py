@@ -20,7 +20,7 @@ import polars as pl
 from moe_engine.config import AppConfig, DeviceKind, EngineConfig, ExpertDType, GemmImpl
 from moe_engine.io import hardware_cache_dir, write_text_atomic
 from moe_engine.model.spec import (EXPERT_STORAGE_BITS, FLOAT_STORAGE, MODEL_DTYPE_STORAGE,
-                                    precision_storage)
+                                    TORCH_GEMM_STORAGE, precision_storage)
 from moe_engine.stages.tables import STATUS_PENDING
 
 
@@ -81,9 +81,13 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
 
 def held_weight_storage(engine, model_dtype: str = "bfloat16") -> Optional[str]:
     """The storage the engine holds the dense projections and the LM head in when it is not
-    `model_dtype` (None), as LLMEngine decides it: bf16 pairs on the packed CPU kernels under
-    engine.matmul_precision=medium, for bf16 and fp32 models."""
-    packed_path = engine.backend is DeviceKind.cpu and engine.gemm is not GemmImpl.torch
+    `model_dtype` on the packed kernels (None), as LLMEngine decides it: bf16 pairs on the
+    packed CPU kernels under engine.matmul_precision=medium, for bf16 and fp32 models; the
+    model dtype on torch's GEMMs (TORCH_GEMM_STORAGE) for engine.gemm=torch on the CPU, whose
+    GEMMs and element-wise work (in the model dtype, not fp32) are another path to profile."""
+    if engine.backend is DeviceKind.cpu and engine.gemm is GemmImpl.torch:
+        return TORCH_GEMM_STORAGE
+    packed_path = engine.backend is DeviceKind.cpu
     floats = FLOAT_STORAGE.get(model_dtype)
     if not packed_path or floats is None:
         return None

@@ -34,7 +34,7 @@ from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir,
 # gemm_shapes is re-exported: callers import it from here.
 from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
-from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE
+from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE, TORCH_GEMM_STORAGE
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
 from moe_engine.tools.timing import median_time, rotation_copies
 
@@ -56,13 +56,15 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
     dtype. Token counts stop growing for a shape once one call takes over 0.25 s (the time model
     extrapolates the affine tail), which keeps LM-head-sized shapes from eating the time budget.
     `storage` (ModelSpec.weight_storage: bf16p under matmul_precision=medium) packs the weights
-    in that storage instead, and the rows name it."""
+    in that storage instead, and the rows name it; TORCH_GEMM_STORAGE (engine.gemm=torch) times
+    torch's F.linear in the model's dtype even where the packed kernels are built, rows named
+    so."""
     import torch
     import torch.nn.functional as F
 
     from moe_engine.model import packed
 
-    use_packed = device == "cpu" and packed.HAS_PACKED_KERNELS
+    use_packed = device == "cpu" and packed.HAS_PACKED_KERNELS and storage != TORCH_GEMM_STORAGE
     dt = _torch_dtype(dtype_bytes) if device == "cpu" else torch.float16 if dtype_bytes == 2 else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
@@ -92,7 +94,8 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
             x = torch.randn(n, inp, dtype=torch.float32 if use_packed else dt, device=device)
             sec = median_time(call, 0.01 if fast else 0.04, 3 if fast else 5, sync)
             rows.append({"inp": inp, "out": out, "tokens": n, "dtype_bytes": dtype_bytes,
-                         **({"storage": storage} if storage and use_packed else {}),
+                         **({"storage": storage} if storage and (use_packed or storage == TORCH_GEMM_STORAGE)
+                            else {}),
                          "gflops": round(2.0 * n * inp * out / sec / 1e9, 3)})
             if sec > 0.25:
                 break
@@ -526,10 +529,12 @@ def main(argv: list[str] | None = None) -> int:
                              f"medium's bf16p; '{MODEL_DTYPE_STORAGE}': the model dtype, as an "
                              "MXFP4 checkpoint's experts widened for torch's GEMMs): their call "
                              "is profiled in it")
-    parser.add_argument("--weight-storage", default=None, choices=[PAIR_STORAGE],
+    parser.add_argument("--weight-storage", default=None, choices=[PAIR_STORAGE, TORCH_GEMM_STORAGE],
                         help="the storage the engine holds the dense projections and the LM head "
-                             "in when it is not the dtype's (matmul_precision=medium's bf16p): "
-                             "their GEMMs are profiled in it")
+                             "in when it is not the dtype's (matmul_precision=medium's bf16p; "
+                             f"'{TORCH_GEMM_STORAGE}': the whole model on torch's GEMMs in its "
+                             "dtype, engine.gemm=torch): their GEMMs, and for torch the layer's "
+                             "other work, are profiled so")
     parser.add_argument("--fast", action="store_true", help="fewer token counts and shorter timings (tests)")
     parser.add_argument("--threads", type=int, default=0, help="threads to measure with (0 = all cores)")
     parser.add_argument("--ensure", action="store_true",

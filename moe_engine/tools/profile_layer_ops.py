@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from moe_engine.model.spec import TORCH_GEMM_STORAGE
 from moe_engine.perf.specs import ModelSpec, layer_layout
 from moe_engine.tools.timing import interleaved_best_times, rotation_copies
 
@@ -33,16 +34,20 @@ def _best_times(makers: list[Callable[[], Callable[[], None]]], fast: bool) -> l
     return interleaved_best_times(makers, batch, rounds)
 
 
-def activation_dtype(m: ModelSpec):
-    """The engine's activations: fp32 over the packed kernels (its default where they are
-    built), else the weights' dtype (LLMEngine: act_dtype)."""
-    import torch
-
+def on_packed_kernels(m: ModelSpec) -> bool:
+    """Whether the engine runs `m` on the packed kernels: where they are built, unless the
+    model is held for torch's GEMMs (engine.gemm=torch: TORCH_GEMM_STORAGE)."""
     from moe_engine.model import packed
 
-    if packed.HAS_PACKED_KERNELS:
-        return torch.float32
-    return torch.float32 if m.dtype_bytes == 4 else torch.bfloat16
+    return packed.HAS_PACKED_KERNELS and m.weight_storage != TORCH_GEMM_STORAGE
+
+
+def activation_dtype(m: ModelSpec):
+    """The engine's activations: fp32 over the packed kernels, else the weights' dtype
+    (LLMEngine: act_dtype)."""
+    import torch
+
+    return torch.float32 if on_packed_kernels(m) else getattr(torch, m.torch_dtype)
 
 
 def _dense_stub(m: ModelSpec, dtype):
@@ -235,7 +240,7 @@ def measure_moe_ffn(m: ModelSpec, tokens: tuple[int, ...], fast: bool, cache_byt
     def expert() -> ExpertWeights:
         w = ExpertWeights((torch.randn(2 * inter, h, generator=g) * 0.02).to(weight_dtype),
                           (torch.randn(h, inter, generator=g) * 0.02).to(weight_dtype))
-        return packed.pack_expert(w, storage) if packed.HAS_PACKED_KERNELS else w.map(lambda t: t.to(dtype))
+        return packed.pack_expert(w, storage) if on_packed_kernels(m) else w.map(lambda t: t.to(dtype))
 
     copies = rotation_copies(e * m.expert_bytes, cache_bytes, max_copies=64)
     sets = [[expert() for _ in range(e)] for _ in range(copies)]
