@@ -307,6 +307,13 @@ def test_ensure_for_torch_gemms_profiles_torch_in_the_model_dtype(tiny, tiny_pro
 
     held = tiny.with_weight_storage(TORCH_GEMM_STORAGE)
     assert layer_layout(held) != layer_layout(tiny)
+    # tiny-mixtral is fp32, where both paths' activations are fp32; a bf16 model's differ
+    import torch
+
+    from moe_engine.tools.profile_layer_ops import activation_dtype
+    bf16 = tiny.with_dtype("bfloat16")
+    assert activation_dtype(bf16.with_weight_storage(TORCH_GEMM_STORAGE)) is torch.bfloat16
+    assert activation_dtype(bf16) is (torch.float32 if packed.HAS_PACKED_KERNELS else torch.bfloat16)
     out = tmp_path / "profile.yaml"
     out.write_text(yaml.safe_dump(tiny_profile[1]))
     assert not profile_covers(load_profile(out), [held])

@@ -298,6 +298,11 @@ def test_hardware_spec_hashes_by_its_fields_once_and_shares_its_processors():
     assert device_processor(hw) is device_processor(twin)
     assert device_processor(faster) is not device_processor(hw)
     assert cpu_processor(hw) is cpu_processor(twin)
+    import copy
+    import pickle
+
+    for clone in (pickle.loads(pickle.dumps(hw)), copy.copy(hw)):  # the cached hash stays behind
+        assert clone == hw and "_fields_hash" not in clone.__dict__ and hash(clone) == hash(hw)
     proc = device_processor(faster)
     for tokens in (1, 7.5, 4096):
         want = gemm_time(tokens, 4096, 14336, 2, faster.device_flops, faster.device_bw)

@@ -380,8 +380,7 @@ def _traced_run_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Workloa
     """(seconds of the steps carrying prefill, seconds of decode-only steps, the fullest decode
     step's breakdown) of a bounded run with known prompt lengths, replayed step by step as the
     engine's scheduler runs it (`schedule.step_trace`)."""
-    gens = wl.gen_lengths or (wl.gen_len,) * len(wl.prompt_lengths)
-    trace = step_trace(wl.prompt_lengths, tuple(gens), policy.batch_size, policy.prefill_tokens)
+    trace = step_trace(wl.prompt_lengths, wl.request_gen_lengths, policy.batch_size, policy.prefill_tokens)
     prefill = decode = 0.0
     full: tuple[float, StepTimes] | None = None
     for bucket in trace:

@@ -109,9 +109,10 @@ def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> floa
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-# Entries a processor remembers before it starts over (~150 bytes each): a search asks for
-# ~10^4 distinct GEMMs; a traced run's fractional token counts could grow it without end.
-_MEMO_ENTRIES = 1 << 15
+# Entries a processor remembers before it starts over (~150 bytes each, ~2.5 MB in all): a
+# search asks for ~10^4 distinct GEMMs; a traced run's fractional token counts could grow it
+# without end.
+_MEMO_ENTRIES = 1 << 14
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,7 +172,7 @@ class Processor:
 
 # One processor per spec, so its memo serves every candidate of a search (a spec's hash is
 # cached: `HardwareSpec.__hash__`).
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=4)
 def device_processor(hw: HardwareSpec) -> Processor:
     # The element-wise and prefill-attention points are the CPU's: they describe the device
     # only when the CPU is the device.
@@ -182,7 +183,7 @@ def device_processor(hw: HardwareSpec) -> Processor:
                      hw.moe_ffn_points if cpu_only else ())
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=4)
 def cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
     return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,

@@ -140,6 +140,10 @@ class HardwareSpec:
     def __hash__(self) -> int:
         return self._fields_hash
 
+    def __getstate__(self) -> dict:
+        # Not the cached hash: another process hashes strings with another seed.
+        return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
+
     def host_seq_cost(self, vocab_size: int) -> float:
         """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
         return self.host_seq_s + vocab_size * self.host_logit_s
@@ -187,6 +191,13 @@ class WorkloadSpec:
         """Every request ends at the token its prefill yields (scoring runs, max_new_tokens=1):
         no decode step runs, so the engine packs prompts by the token budget alone."""
         return all(g == 1 for g in self.gen_lengths) if self.gen_lengths else self.gen_len == 1
+
+    @cached_property
+    def request_gen_lengths(self) -> tuple[int, ...]:
+        """Every request's generation length, in request order (the one length repeated when
+        they share it). One tuple for the spec's life: the search's cached replays
+        (`schedule.step_trace`) key on it, and a copy per call kept a shard's worth per entry."""
+        return self.gen_lengths or (self.gen_len,) * len(self.prompt_lengths)
 
     @cached_property
     def sum_prompt_sq(self) -> float:

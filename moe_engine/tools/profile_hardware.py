@@ -49,7 +49,8 @@ def _torch_dtype(dtype_bytes: int):
 
 
 def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple[int, ...], fast: bool,
-                  device: str = "cpu", storage: Optional[str] = None) -> list[dict[str, Any]]:
+                  device: str = "cpu", storage: Optional[str] = None,
+                  torch_dtype: Optional[str] = None) -> list[dict[str, Any]]:
     """Achieved GFLOP/s per (shape, token count) of the GEMM the engine runs there: on the CPU
     the packed kernels (fp32 activations over weights stored in the model's dtype) when they
     are built, as the engine's default; else, and on CUDA, torch's F.linear in the model's
@@ -58,14 +59,16 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
     `storage` (ModelSpec.weight_storage: bf16p under matmul_precision=medium) packs the weights
     in that storage instead, and the rows name it; TORCH_GEMM_STORAGE (engine.gemm=torch) times
     torch's F.linear in the model's dtype even where the packed kernels are built, rows named
-    so."""
+    so. `torch_dtype` (the model's, e.g. "float16") is the dtype torch's GEMMs run in on the
+    CPU; without it, bf16 for 2-byte weights."""
     import torch
     import torch.nn.functional as F
 
     from moe_engine.model import packed
 
     use_packed = device == "cpu" and packed.HAS_PACKED_KERNELS and storage != TORCH_GEMM_STORAGE
-    dt = _torch_dtype(dtype_bytes) if device == "cpu" else torch.float16 if dtype_bytes == 2 else torch.float32
+    dt = (getattr(torch, torch_dtype) if torch_dtype else _torch_dtype(dtype_bytes)) if device == "cpu" \
+        else torch.float16 if dtype_bytes == 2 else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     llc = last_level_cache_bytes() if device == "cpu" else 0
@@ -343,7 +346,7 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     attention = []
     for m in models:
         cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast,
-                                  storage=m.weight_storage)
+                                  storage=m.weight_storage, torch_dtype=m.torch_dtype)
         attention.append(measure_attention(m, fast))
     layouts = measure_layers(models, tokens, fast)
     cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3

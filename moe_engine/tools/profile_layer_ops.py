@@ -227,6 +227,7 @@ def measure_moe_ffn(m: ModelSpec, tokens: tuple[int, ...], fast: bool, cache_byt
 
     from moe_engine.model import packed
     from moe_engine.model.layers import moe_ffn
+    from moe_engine.model.loader import expert_clamp
     from moe_engine.model.weights import ExpertWeights
 
     if not m.num_experts:
@@ -237,9 +238,16 @@ def measure_moe_ffn(m: ModelSpec, tokens: tuple[int, ...], fast: bool, cache_byt
     storage = m.expert_storage or packed.storage_name(weight_dtype)
     g = torch.Generator().manual_seed(0)
 
+    clamp = expert_clamp(m)
+
     def expert() -> ExpertWeights:
+        # GPT-OSS's experts add biases and the clamped activation: a few passes more per expert
+        # on every path (on torch's, launches each).
+        bias = m.expert_bias
         w = ExpertWeights((torch.randn(2 * inter, h, generator=g) * 0.02).to(weight_dtype),
-                          (torch.randn(h, inter, generator=g) * 0.02).to(weight_dtype))
+                          (torch.randn(h, inter, generator=g) * 0.02).to(weight_dtype),
+                          b13=torch.zeros(2 * inter, dtype=weight_dtype) if bias else None,
+                          b2=torch.zeros(h, dtype=weight_dtype) if bias else None, clamp=clamp)
         return packed.pack_expert(w, storage) if on_packed_kernels(m) else w.map(lambda t: t.to(dtype))
 
     copies = rotation_copies(e * m.expert_bytes, cache_bytes, max_copies=64)
