@@ -228,6 +228,17 @@ def test_a_forced_isa_build_or_another_kernel_build_is_another_machine(monkeypat
     assert machine_fingerprint() != first
 
 
+def test_a_profile_taken_by_an_older_measuring_method_is_not_reused(monkeypatch):
+    """When what a figure measures changes (the experts' call gained GPT-OSS's biases and
+    clamp), a cached profile would mix old figures with new ones: the method is part of the
+    machine's fingerprint, so the cache path moves and the machine is measured again."""
+    from moe_engine.perf import hardware
+
+    now = machine_fingerprint()
+    monkeypatch.setattr(hardware, "PROFILE_METHOD", hardware.PROFILE_METHOD - 1)
+    assert machine_fingerprint() != now
+
+
 def _policy_profiler_cli(held, model_dir, tmp_path, monkeypatch) -> list[str]:
     """The profiler arguments the policy stage's ensure_machine_profile runs for `held`."""
     from moe_engine.stages import policy

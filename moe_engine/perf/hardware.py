@@ -32,6 +32,12 @@ PACKED_KERNEL_NAME = "packed_gemm"
 HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "host_logit_ns", "disk_read_gbps")
 
 
+# The profiler's measuring method, part of the machine fingerprint: bumped when what a figure
+# measures changes, so cached profiles are measured again rather than mixed with new figures.
+# 2: the experts' call with GPT-OSS's biases and clamped SwiGLU (bare experts before; its call
+# at 8 tokens read 141 us where it takes 276), GEMMs in the model's own dtype (2026-11-27).
+PROFILE_METHOD = 2
+
 # An NVMe SSD's sequential O_DIRECT reads at queue depth 1 with 16 MiB requests (1.1-2.9 GB/s
 # measured on the CI machines); profiles measure the machine's own (disk_read_gbps).
 DEFAULT_DISK_READ_GBPS = 2.0
@@ -156,6 +162,8 @@ def machine_fingerprint() -> str:
     # The engine's steps run under a tuned malloc (moe_engine/host_alloc.py); small steps' times
     # depend on it, so a profile measured under other settings is not reused.
     parts.append(f"malloc={allocator_fingerprint()}")
+    # How the profiler measures: a profile taken by an older method is not reused.
+    parts.append(f"method={PROFILE_METHOD}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
