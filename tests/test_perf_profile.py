@@ -311,17 +311,17 @@ def test_ensure_for_torch_gemms_profiles_torch_in_the_model_dtype(tiny, tiny_pro
     TORCH_GEMM_STORAGE, and the profiler it runs times torch's path (the packed kernels are
     never called), under GEMM rows and a layer layout of its own. Before, the profile had only
     the packed kernels' points and the prediction of such a run was 2x high."""
+    import torch
+
     from moe_engine.model import packed
     from moe_engine.model.spec import MODEL_DTYPE_STORAGE, TORCH_GEMM_STORAGE
     from moe_engine.perf.hardware import load_profile, profile_covers
     from moe_engine.perf.specs import layer_layout
+    from moe_engine.tools.profile_layer_ops import activation_dtype
 
     held = tiny.with_weight_storage(TORCH_GEMM_STORAGE)
     assert layer_layout(held) != layer_layout(tiny)
     # tiny-mixtral is fp32, where both paths' activations are fp32; a bf16 model's differ
-    import torch
-
-    from moe_engine.tools.profile_layer_ops import activation_dtype
     bf16 = tiny.with_dtype("bfloat16")
     assert activation_dtype(bf16.with_weight_storage(TORCH_GEMM_STORAGE)) is torch.bfloat16
     assert activation_dtype(bf16) is (torch.float32 if packed.HAS_PACKED_KERNELS else torch.bfloat16)

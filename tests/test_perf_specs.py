@@ -286,7 +286,9 @@ def test_sliding_layers_attend_their_window_in_the_decode_cost():
 def test_hardware_spec_hashes_by_its_fields_once_and_shares_its_processors():
     """The cost model keys its processors (and their GEMM memo) by the spec: equal specs share
     them, a changed field gets its own, and the memo answers what the roofline computes."""
+    import copy
     import dataclasses
+    import pickle
 
     from moe_engine.perf.roofline import cpu_processor, device_processor, gemm_time
 
@@ -298,9 +300,6 @@ def test_hardware_spec_hashes_by_its_fields_once_and_shares_its_processors():
     assert device_processor(hw) is device_processor(twin)
     assert device_processor(faster) is not device_processor(hw)
     assert cpu_processor(hw) is cpu_processor(twin)
-    import copy
-    import pickle
-
     for clone in (pickle.loads(pickle.dumps(hw)), copy.copy(hw)):  # the cached hash stays behind
         assert clone == hw and "_fields_hash" not in clone.__dict__ and hash(clone) == hash(hw)
     proc = device_processor(faster)

@@ -59,6 +59,12 @@ def choose_policy(cfg: AppConfig, model_dir: Path, shards: list[Path]) -> dict[s
     return {"source": "search", **result.to_json(), "engine": _knobs(chosen)}
 
 
+def _packed_path(engine) -> bool:
+    """Whether the engine runs on the packed CPU kernels (LLMEngine's gemm choice, the kernels
+    built): the CPU backend with engine.gemm auto or packed."""
+    return engine.backend is DeviceKind.cpu and engine.gemm is not GemmImpl.torch
+
+
 def held_expert_storage(engine, checkpoint_storage: Optional[str],
                         model_dtype: str = "bfloat16") -> Optional[str]:
     """The storage the engine will hold routed experts in when it is not `model_dtype` (None:
@@ -69,10 +75,9 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
     choice = engine.expert_dtype
     if choice.quantized:
         return choice.value
-    packed_path = engine.backend is DeviceKind.cpu and engine.gemm is not GemmImpl.torch
-    if choice is ExpertDType.auto and packed_path and checkpoint_storage is not None:
+    if choice is ExpertDType.auto and _packed_path(engine) and checkpoint_storage is not None:
         return checkpoint_storage
-    if packed_path:
+    if _packed_path(engine):
         floats = FLOAT_STORAGE.get(model_dtype) if choice is ExpertDType.auto else choice.value
         held = precision_storage(floats, engine.matmul_precision.value) if floats else None
         return held if held in EXPERT_STORAGE_BITS else None
@@ -87,9 +92,8 @@ def held_weight_storage(engine, model_dtype: str = "bfloat16") -> Optional[str]:
     GEMMs and element-wise work (in the model dtype, not fp32) are another path to profile."""
     if engine.backend is DeviceKind.cpu and engine.gemm is GemmImpl.torch:
         return TORCH_GEMM_STORAGE
-    packed_path = engine.backend is DeviceKind.cpu
     floats = FLOAT_STORAGE.get(model_dtype)
-    if not packed_path or floats is None:
+    if not _packed_path(engine) or floats is None:
         return None
     held = precision_storage(floats, engine.matmul_precision.value)
     return held if held != floats else None

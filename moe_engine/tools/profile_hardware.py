@@ -36,6 +36,7 @@ from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
 from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE, TORCH_GEMM_STORAGE
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
+from moe_engine.tools.profile_layer_ops import on_packed_kernels
 from moe_engine.tools.timing import median_time, rotation_copies
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -66,7 +67,7 @@ def measure_gemms(shapes: list[tuple[int, int]], dtype_bytes: int, tokens: tuple
 
     from moe_engine.model import packed
 
-    use_packed = device == "cpu" and packed.HAS_PACKED_KERNELS and storage != TORCH_GEMM_STORAGE
+    use_packed = device == "cpu" and on_packed_kernels(storage)
     dt = (getattr(torch, torch_dtype) if torch_dtype else _torch_dtype(dtype_bytes)) if device == "cpu" \
         else torch.float16 if dtype_bytes == 2 else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

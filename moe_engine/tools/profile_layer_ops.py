@@ -15,7 +15,7 @@ model is for.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from moe_engine.model.spec import TORCH_GEMM_STORAGE
 from moe_engine.perf.specs import ModelSpec, layer_layout
@@ -34,12 +34,13 @@ def _best_times(makers: list[Callable[[], Callable[[], None]]], fast: bool) -> l
     return interleaved_best_times(makers, batch, rounds)
 
 
-def on_packed_kernels(m: ModelSpec) -> bool:
-    """Whether the engine runs `m` on the packed kernels: where they are built, unless the
-    model is held for torch's GEMMs (engine.gemm=torch: TORCH_GEMM_STORAGE)."""
+def on_packed_kernels(weight_storage: Optional[str]) -> bool:
+    """Whether the engine runs a model held in `weight_storage` (ModelSpec.weight_storage) on
+    the packed kernels: where they are built, unless it is held for torch's GEMMs
+    (engine.gemm=torch: TORCH_GEMM_STORAGE)."""
     from moe_engine.model import packed
 
-    return packed.HAS_PACKED_KERNELS and m.weight_storage != TORCH_GEMM_STORAGE
+    return packed.HAS_PACKED_KERNELS and weight_storage != TORCH_GEMM_STORAGE
 
 
 def activation_dtype(m: ModelSpec):
@@ -47,7 +48,7 @@ def activation_dtype(m: ModelSpec):
     (LLMEngine: act_dtype)."""
     import torch
 
-    return torch.float32 if on_packed_kernels(m) else getattr(torch, m.torch_dtype)
+    return torch.float32 if on_packed_kernels(m.weight_storage) else getattr(torch, m.torch_dtype)
 
 
 def _dense_stub(m: ModelSpec, dtype):
@@ -238,17 +239,17 @@ def measure_moe_ffn(m: ModelSpec, tokens: tuple[int, ...], fast: bool, cache_byt
     storage = m.expert_storage or packed.storage_name(weight_dtype)
     g = torch.Generator().manual_seed(0)
 
-    clamp = expert_clamp(m)
+    # GPT-OSS's experts add biases and the clamped activation: a few passes more per expert on
+    # every path (on torch's, launches each).
+    clamp, bias = expert_clamp(m), m.expert_bias
+    packed_path = on_packed_kernels(m.weight_storage)
 
     def expert() -> ExpertWeights:
-        # GPT-OSS's experts add biases and the clamped activation: a few passes more per expert
-        # on every path (on torch's, launches each).
-        bias = m.expert_bias
         w = ExpertWeights((torch.randn(2 * inter, h, generator=g) * 0.02).to(weight_dtype),
                           (torch.randn(h, inter, generator=g) * 0.02).to(weight_dtype),
                           b13=torch.zeros(2 * inter, dtype=weight_dtype) if bias else None,
                           b2=torch.zeros(h, dtype=weight_dtype) if bias else None, clamp=clamp)
-        return packed.pack_expert(w, storage) if on_packed_kernels(m) else w.map(lambda t: t.to(dtype))
+        return packed.pack_expert(w, storage) if packed_path else w.map(lambda t: t.to(dtype))
 
     copies = rotation_copies(e * m.expert_bytes, cache_bytes, max_copies=64)
     sets = [[expert() for _ in range(e)] for _ in range(copies)]
