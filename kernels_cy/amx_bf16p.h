@@ -29,6 +29,17 @@
  * noisy host) 4 streamed panels at 19-27 GB/s in runs where none gave 11-22; 8 steps, and
  * hints to L2, did no better. */
 #define AMX_PREFETCH 4
+#ifndef AMX_PREFETCH_X
+#define AMX_PREFETCH_X 2
+#endif
+/* Bytes of bf16-pair activations an item's rows may take (AMX_ITEM_BYTES / (2 k) rows, 96 to
+ * 384): the panel is read from memory once per item and from L2 by the item's later row
+ * tiles, so long items read the weights from memory fewer times; the item's activations,
+ * re-read from L2 for each panel, must stay within the core's L2 (2 MB on Sapphire Rapids). */
+#ifndef AMX_ITEM_BYTES
+#define AMX_ITEM_BYTES (1 << 20)
+#endif
+#define AMX_ITEM_MAX 384
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -67,14 +78,20 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
         _tile_zero(2);
         _tile_zero(3);
     }
-    /* The panel streams from DRAM for an item's first row tile (a decode step has only that
-     * one): a tile load waits for all its lines, so the lines of AMX_PREFETCH steps ahead are
-     * asked for now. The item's later row tiles find the panel in cache. */
-    const int64_t fetch = row0 % TC == 0 ? whole - 16 * AMX_PREFETCH : 0;
+    /* A tile load waits for all its 16 lines, so lines are asked for ahead of their step: the
+     * panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first row tile, a
+     * decode step's only one, and from L2 for the others), the activations' (from L2)
+     * AMX_PREFETCH_X steps ahead. */
+    const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
     for (int64_t j = 0; j < whole; j += 16) {
-        const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
-        if (j < fetch)
+        if (j < fetch) {
+            const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
             for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        }
+        if (j < fetch_x) {
+            const char *ahead = xa + 4 * (j + 16 * AMX_PREFETCH_X);
+            for (int l = 0; l < (two ? 32 : 16); l++) _mm_prefetch(ahead + l * stride, _MM_HINT_T0);
+        }
         _tile_loadd(6, panel + j * 128, 128);
         _tile_loadd(7, panel + j * 128 + 64, 128);
         _tile_loadd(4, xa + 4 * j, stride);

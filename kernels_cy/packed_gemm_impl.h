@@ -409,6 +409,18 @@ static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
 }
 
 static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
+/* Token rows of a work item for weights w: TC, or on AMX tiles as many as AMX_ITEM_BYTES of
+ * bf16 pairs allow (in whole row-tile pairs). Work partitioning only: each row's result is
+ * the same whatever the item size. */
+static inline int64_t item_rows(const moe_packed *w) {
+#if defined(MOE_AMX)
+    if (w->dtype == MOE_W_BF16P) {
+        int64_t rows = AMX_ITEM_BYTES / (2 * (w->k > 1 ? w->k : 1)) / AMX_ROWS * AMX_ROWS;
+        return rows < TC ? TC : rows > AMX_ITEM_MAX ? AMX_ITEM_MAX : rows;
+    }
+#endif
+    return TC;
+}
 
 /* Rows [t0, t1) of an item against one panel, `mr` rows (tile_rows) at a time. */
 static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ldx, int64_t K,
@@ -423,7 +435,8 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     const tile_fn tile_of = tile_for(w->dtype);
     const int mr = tile_rows(w->dtype), bf16p = w->dtype == MOE_W_BF16P;
-    const int64_t P = num_panels(w), chunks = (T + TC - 1) / TC, items = P * chunks;
+    const int64_t P = num_panels(w), tc = item_rows(w), chunks = (T + tc - 1) / tc,
+                  items = P * chunks;
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
     uint32_t *pairs = NULL;
     if (bf16p) { /* the rows as bf16 pairs, once for every panel, MOE_PAD_ROWS rows spare */
@@ -442,14 +455,14 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it % P, c = it / P;
-        const int64_t t1 = (c + 1) * TC < T ? (c + 1) * TC : T;
+        const int64_t t1 = (c + 1) * tc < T ? (c + 1) * tc : T;
         const int ncol = (int)(w->n - p * MOE_NR < MOE_NR ? w->n - p * MOE_NR : MOE_NR);
         float padded_bias[MOE_NR] = {0};
         if (bias) memcpy(padded_bias, bias + p * MOE_NR, sizeof(float) * (size_t)ncol);
         const epilogue ep = {.mode = EPI_LINEAR, .ncol = ncol, .cscale = panel_cscale(w, p),
                              .bias = bias ? padded_bias : NULL, .act = act,
                              .out = y + p * MOE_NR, .ldo = ldy};
-        run_tiles(tile_of, mr, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * TC,
+        run_tiles(tile_of, mr, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * tc,
                   t1);
     }
     tiles_end(bf16p);
@@ -519,13 +532,13 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             if (n == 0) continue;
             const moe_packed *w = &experts[e].w13;
             const tile_fn tile_of = tile_for(w->dtype);
-            const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
+            const int64_t P = num_panels(w), tc = item_rows(w), chunks = (n + tc - 1) / tc;
             const float *xe = xg + (int64_t)offset[e] * ldh;
             float *ae = act + (int64_t)offset[e] * ldi;
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
-                const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
+                const int64_t t1 = (c + 1) * tc < n ? (c + 1) * tc : n;
                 const float *b13 = experts[e].b13;
                 const epilogue ep = {.mode = EPI_SWIGLU,
                                      .ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16),
@@ -533,7 +546,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                      .bias = b13 ? b13 + p * MOE_NR : NULL, .glu = glu,
                                      .out = ae + p * 16, .ldo = ldi};
                 run_tiles(tile_of, tile_rows(w->dtype), xe, ldh, H, panel_ptr(w, p),
-                          panel_gscale(w, p), &ep, c * TC, t1);
+                          panel_gscale(w, p), &ep, c * tc, t1);
             }
         }
 #pragma omp barrier
@@ -548,12 +561,12 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             if (n == 0) continue;
             const moe_packed *w = &experts[e].w2;
             const tile_fn tile_of = tile_for(w->dtype);
-            const int64_t P = num_panels(w), chunks = (n + TC - 1) / TC;
+            const int64_t P = num_panels(w), tc = item_rows(w), chunks = (n + tc - 1) / tc;
             const float *ae = act + (int64_t)offset[e] * ldi;
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
-                const int64_t t1 = (c + 1) * TC < n ? (c + 1) * TC : n;
+                const int64_t t1 = (c + 1) * tc < n ? (c + 1) * tc : n;
                 const float *b2 = experts[e].b2;
                 const epilogue ep = {.mode = EPI_SCATTER,
                                      .ncol = (int)(H - p * MOE_NR < MOE_NR ? H - p * MOE_NR : MOE_NR),
@@ -562,7 +575,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                      .out = slots + p * MOE_NR,
                                      .ldo = H, .rows = by_expert + offset[e], .weight = weight};
                 run_tiles(tile_of, tile_rows(w->dtype), ae, ldi, I, panel_ptr(w, p),
-                          panel_gscale(w, p), &ep, c * TC, t1);
+                          panel_gscale(w, p), &ep, c * tc, t1);
             }
         }
 #pragma omp barrier
