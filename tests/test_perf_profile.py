@@ -363,3 +363,24 @@ def test_gemm_points_of_a_storage_fall_back_to_the_untagged_ones(tiny, tiny_prof
     assert gemms_covered(on_cuda, [medium]) and gemms_covered(on_cuda, [tiny])
     pairs = spec_from_figures(on_cuda, "bf16p").cpu_gemm_points
     assert pairs and all(p.flops_per_s == 2 * q.flops_per_s for p, q in zip(pairs, plain))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_decode_attention_is_timed_on_a_cache_in_the_model_dtype(tiny, dtype, monkeypatch):
+    """The engine's KV cache takes the model's dtype (engine.kv_dtype=auto), and the kernel
+    widens fp16 and bf16 differently: an fp16 model's rate is not a bf16 cache's."""
+    import torch
+
+    from moe_engine.model.attention import DecodeAttention
+    from moe_engine.tools.profile_hardware import measure_attention
+
+    seen = set()
+    run = DecodeAttention.__call__
+
+    def spy(self, q, key, value, *args, **kwargs):
+        seen.add(key.dtype)
+        return run(self, q, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeAttention, "__call__", spy)
+    rate, _ = measure_attention(tiny.with_dtype(dtype), fast=True)
+    assert rate > 0 and seen == {getattr(torch, dtype)}

@@ -264,8 +264,9 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     import torch
 
     from moe_engine.model.attention import DecodeAttention
+    from moe_engine.model.loader import resolve_dtype
 
-    dt = _torch_dtype(m.dtype_bytes)
+    dt = resolve_dtype("auto", m)  # the KV cache's dtype (engine.kv_dtype=auto): fp16 stays fp16
     block, ctx = 16, 256 if fast else 512
     per_seq = ctx * m.kv_bytes_per_token_layer
     # K+V of one layer larger than the last-level cache: the engine's cache is, across layers.
