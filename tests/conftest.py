@@ -23,15 +23,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_machine_cache(tmp_path_factory):
-    """Hardware and routing profiles go to a per-session cache, never the user's ~/.cache
-    (set in the environment so snakemake's subprocesses see it too)."""
-    before = os.environ.get("MOE_BATCH_CACHE")
-    os.environ["MOE_BATCH_CACHE"] = str(tmp_path_factory.mktemp("machine-cache"))
-    yield Path(os.environ["MOE_BATCH_CACHE"])
-    if before is None:
-        os.environ.pop("MOE_BATCH_CACHE", None)
-    else:
-        os.environ["MOE_BATCH_CACHE"] = before
+    """Hardware and routing profiles go to a per-session cache, never the user's ~/.cache, and
+    the workflows measure this machine in the profiler's fast mode (set in the environment so
+    snakemake's subprocesses see it too)."""
+    settings = {"MOE_BATCH_CACHE": str(tmp_path_factory.mktemp("machine-cache")),
+                "MOE_BATCH_PROFILE": "fast"}
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    yield Path(settings["MOE_BATCH_CACHE"])
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

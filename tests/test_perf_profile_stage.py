@@ -6,6 +6,7 @@ import json
 import sys
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
 from moe_engine.perf import ModelSpec
@@ -25,6 +26,7 @@ def _model(tmp_path):
 
 def test_missing_profile_runs_the_profiler_for_the_checkpoint(tmp_path, monkeypatch):
     model_dir, model = _model(tmp_path)
+    monkeypatch.delenv("MOE_BATCH_PROFILE", raising=False)  # the suite's conftest sets it
     calls = []
     monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
     monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
@@ -33,6 +35,20 @@ def test_missing_profile_runs_the_profiler_for_the_checkpoint(tmp_path, monkeypa
     # the held experts' storage is always named: here the model dtype's (the checkpoint's own)
     assert calls == [[sys.executable, "-m", "moe_engine.tools.profile_hardware", "--ensure", "--out", str(path),
                       "--model", str(model_dir), "--dtype", "bfloat16", "--expert-storage", "dtype"]]
+
+
+def test_moe_batch_profile_fast_asks_the_profiler_for_its_fast_mode(tmp_path, monkeypatch):
+    model_dir, model = _model(tmp_path)
+    calls = []
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
+    for value, fast in (("fast", True), ("full", False), ("", False)):
+        monkeypatch.setenv("MOE_BATCH_PROFILE", value)
+        stage.ensure_machine_profile(model, model_dir, "auto")
+        assert ("--fast" in calls.pop()) == fast, value
+    monkeypatch.setenv("MOE_BATCH_PROFILE", "quick")
+    with pytest.raises(ValueError, match="MOE_BATCH_PROFILE='quick'"):
+        stage.ensure_machine_profile(model, model_dir, "auto")
 
 
 def _gemm_profile(model) -> dict:

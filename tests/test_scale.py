@@ -35,8 +35,11 @@ def test_100k_rows_one_token_each(tmp_path):
     _corpus(corpus)
     overrides = (f"workload.inputs=[{corpus}] workload.max_new_tokens=1 workload.num_shards=2 "
                  "engine.policy=config")
+    # One thread a generate job, so the two shards run side by side: a step of one-token rows
+    # is the engine loop's Python, not GEMMs, and the shards one after another took ~50 s.
     proc = subprocess.run([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "--cores", "2",
-                           "--config", f"overrides={overrides}"], capture_output=True, text=True, timeout=900)
+                           "--set-threads", "generate=1", "--config", f"overrides={overrides}"],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = pl.read_parquet(tmp_path / "results" / "generations.parquet")
     assert out.height == ROWS + 2

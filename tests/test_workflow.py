@@ -110,23 +110,63 @@ OTHER_ARCHITECTURES = sorted(p for p in __import__("moe_engine.tools.presets", f
                              .PRESETS if p.startswith("tiny-") and p != "tiny-mixtral")
 
 
+def _architecture_rows() -> list[dict]:
+    """The first 6 sample rows without their own max_new_tokens (workload.max_new_tokens=8)."""
+    return [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text()
+            .splitlines() if '"max_new_tokens"' not in line and '"prompt"' in line][:6]
+
+
+@pytest.fixture(scope="module")
+def architecture_runs(tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """The workflow for each of OTHER_ARCHITECTURES on 6 sample rows: {preset: (workdir, exit
+    status, output)}. Two run at a time: each is mostly single-threaded process start-up
+    (Snakemake, then one Python process a rule), so on two cores a pair takes little longer
+    than one, and the eleven runs took ~150 s one after another."""
+    corpus = tmp_path_factory.mktemp("arch-corpus") / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in _architecture_rows()))
+    pending, running, done = list(OTHER_ARCHITECTURES), {}, {}
+    try:
+        while pending or running:
+            while pending and len(running) < 2:
+                preset = pending.pop(0)
+                workdir = tmp_path_factory.mktemp(preset)
+                log = open(workdir / "snakemake.out", "w+")
+                running[preset] = (workdir, log, time.monotonic(), subprocess.Popen(
+                    snakemake_cmd(workdir, _overrides(corpus, f"model={preset}")),
+                    stdout=log, stderr=subprocess.STDOUT))
+            for preset, (workdir, log, started, proc) in list(running.items()):
+                if proc.poll() is None and time.monotonic() - started < 600:
+                    continue
+                if proc.poll() is None:  # the 600 s a run_snakemake call allows
+                    proc.kill()
+                    proc.wait()
+                log.seek(0)
+                done[preset] = (workdir, proc.returncode, log.read()[-6000:])
+                log.close()
+                del running[preset]
+            time.sleep(0.2)
+    finally:  # an interrupted session must not leave workflows running behind it
+        for _, log, _, proc in running.values():
+            proc.kill()
+            log.close()
+    return done
+
+
 @pytest.mark.parametrize("preset", OTHER_ARCHITECTURES)
 def test_every_architecture_generates_transformers_greedy_tokens_through_the_workflow(
-        tmp_path, preset):
+        architecture_runs, preset):
     import torch
 
     from moe_engine.engine.tokenizer import load_tokenizer
     from moe_engine.tools.presets import builtin_model_key
     from tests.test_engine_parity import _hf_model
 
-    corpus = tmp_path / "prompts.jsonl"
-    rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text()
-            .splitlines() if '"max_new_tokens"' not in line and '"prompt"' in line][:6]
-    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_snakemake(tmp_path, _overrides(corpus, f"model={preset}"))
-    merged = pl.read_parquet(tmp_path / "results" / "generations.parquet")
+    workdir, status, output = architecture_runs[preset]
+    assert status == 0, output
+    rows = _architecture_rows()
+    merged = pl.read_parquet(workdir / "results" / "generations.parquet")
     assert merged.height == len(rows) and set(merged["status"].to_list()) == {"ok"}
-    model_dir = tmp_path / "resources" / "models" / builtin_model_key(preset, 0, 1)
+    model_dir = workdir / "resources" / "models" / builtin_model_key(preset, 0, 1)
     tokenizer = load_tokenizer(model_dir)
     model = _hf_model(model_dir)  # fp32, MXFP4 experts dequantized as transformers does
     for row in merged.iter_rows(named=True):
