@@ -29,17 +29,9 @@
  * noisy host) 4 streamed panels at 19-27 GB/s in runs where none gave 11-22; 8 steps, and
  * hints to L2, did no better. */
 #define AMX_PREFETCH 4
-#ifndef AMX_PREFETCH_X
+/* k-steps the activations' prefetches run ahead (their lines come from L2): +2-5% at 64-1024
+ * rows on the same VM. */
 #define AMX_PREFETCH_X 2
-#endif
-/* Bytes of bf16-pair activations an item's rows may take (AMX_ITEM_BYTES / (2 k) rows, 96 to
- * 384): the panel is read from memory once per item and from L2 by the item's later row
- * tiles, so long items read the weights from memory fewer times; the item's activations,
- * re-read from L2 for each panel, must stay within the core's L2 (2 MB on Sapphire Rapids). */
-#ifndef AMX_ITEM_BYTES
-#define AMX_ITEM_BYTES (1 << 20)
-#endif
-#define AMX_ITEM_MAX 384
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

@@ -233,7 +233,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     136 and 104 inputs are not whole AMX steps of 32 (the amx build adds the last pairs after
     its tiles); 500 rows give each expert more than one 96-row work item and the linear six;
     in the batch of 800 every row picks expert 3 first, so it and the linear get more than two
-    of the amx build's longer items (up to 384 rows on tiles)."""
+    of the longest work items (384 rows: 1 MB of activations at these widths)."""
     torch.manual_seed(0)
     hidden, inter = 136, 104
     _, _, experts = _experts(8, hidden, inter, storage)
