@@ -231,9 +231,10 @@ def test_moe_ffn_rejects_an_absent_expert():
 def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     """Bitwise: one row alone, in a batch of 7, of 64, of 500 and of 800, at another position.
     136 and 104 inputs are not whole AMX steps of 32 (the amx build adds the last pairs after
-    its tiles); 500 rows give each expert more than one 96-row work item and the linear six;
-    in the batch of 800 every row picks expert 3 first, so it and the linear get more than two
-    of the longest work items (384 rows: 1 MB of activations at these widths)."""
+    its tiles). Work items are 384 rows at these widths (item_rows: 1 MB of activations): 500
+    rows put the linear's row in its second item; in the batch of 800 every row picks expert 3
+    first, so expert 3 and the linear cut it into items of 384, 384 and 32 rows, the row in
+    the last, partial one."""
     torch.manual_seed(0)
     hidden, inter = 136, 104
     _, _, experts = _experts(8, hidden, inter, storage)
@@ -242,7 +243,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     idx, wts = torch.tensor([[3, 5]]), torch.tensor([[0.7, 0.3]])
     alone_ffn = packed.packed_moe_ffn(experts, row, wts, idx, isa=isa, threads=1)
     alone_lin = packed.packed_linear(row, lin, isa=isa, threads=1)
-    for batch, pos in ((7, 3), (64, 50), (500, 420), (800, 700)):
+    for batch, pos in ((7, 3), (64, 50), (500, 420), (800, 790)):
         h = torch.randn(batch, hidden)
         h[pos] = row[0]
         indices = torch.randint(0, 8, (batch, 2))

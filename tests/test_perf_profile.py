@@ -246,6 +246,7 @@ def _policy_profiler_cli(held, model_dir, tmp_path, monkeypatch) -> list[str]:
     commands = []
     monkeypatch.setattr(policy.subprocess, "run", lambda cmd, check: commands.append(cmd))
     monkeypatch.setenv("MOE_BATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOE_BATCH_PROFILE", raising=False)  # as a user runs it (conftest: fast)
     policy.ensure_machine_profile(held, model_dir, "auto")
     return commands[0][commands[0].index("moe_engine.tools.profile_hardware") + 1:]
 

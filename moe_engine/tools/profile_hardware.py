@@ -36,7 +36,7 @@ from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_
                                       load_profile, machine_fingerprint, profile_covers, total_memory_bytes)
 from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE, TORCH_GEMM_STORAGE
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
-from moe_engine.tools.profile_layer_ops import on_packed_kernels
+from moe_engine.tools.profile_layer_ops import activation_dtype, kv_cache_dtype, on_packed_kernels
 from moe_engine.tools.timing import median_time, rotation_copies
 
 FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -264,9 +264,8 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     import torch
 
     from moe_engine.model.attention import DecodeAttention
-    from moe_engine.model.loader import resolve_dtype
 
-    dt = resolve_dtype("auto", m)  # the KV cache's dtype (engine.kv_dtype=auto): fp16 stays fp16
+    dt = kv_cache_dtype(m)  # fp16 stays fp16: the kernel widens it differently from bf16
     block, ctx = 16, 256 if fast else 512
     per_seq = ctx * m.kv_bytes_per_token_layer
     # K+V of one layer larger than the last-level cache: the engine's cache is, across layers.
@@ -281,7 +280,7 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     key = torch.empty(nblocks, heads, block, d_k, dtype=dt).uniform_(-1, 1)
     value = (torch.empty(nblocks, heads, block, d_k, dtype=dt).uniform_(-1, 1)
              if latent is None else None)
-    q = torch.randn(seqs, m.num_heads, d_k, dtype=dt)
+    q = torch.randn(seqs, m.num_heads, d_k, dtype=activation_dtype(m))
     tables = torch.arange(nblocks, dtype=torch.int32).view(seqs, blocks_per_seq)
     lens = torch.full((seqs,), ctx, dtype=torch.int32)
     # the path the engine takes for this head_dim (the torch reference where the kernel cannot)

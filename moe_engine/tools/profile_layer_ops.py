@@ -51,6 +51,14 @@ def activation_dtype(m: ModelSpec):
     return torch.float32 if on_packed_kernels(m.weight_storage) else getattr(torch, m.torch_dtype)
 
 
+def kv_cache_dtype(m: ModelSpec):
+    """The engine's KV cache: the model's dtype (engine.kv_dtype=auto), whatever the GEMMs run
+    in; the step's fp32 keys and values are converted as they are written."""
+    from moe_engine.model.loader import resolve_dtype
+
+    return resolve_dtype("auto", m)
+
+
 def _dense_stub(m: ModelSpec, dtype):
     """A layer's dense weights as far as the element-wise parts read them: the norms, q/k
     norms and the attention sinks (the GEMM weights are never multiplied here)."""
@@ -131,6 +139,7 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
     from moe_engine.model.attention import DecodeAttention, prefill_attention
 
     dtype = activation_dtype(m)
+    kv_dtype = kv_cache_dtype(m)
     dense = _dense_stub(m, dtype)
     heads, d_k, d_v = m.kv_cache_layout
     attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
@@ -181,6 +190,7 @@ def measure_decode_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
     from moe_engine.model.attention import DecodeAttention
 
     dtype = activation_dtype(m)
+    kv_dtype = kv_cache_dtype(m)
     dense = _dense_stub(m, dtype)
     heads, d_k, d_v = m.kv_cache_layout
     attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
@@ -193,8 +203,8 @@ def measure_decode_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
             q = torch.randn(b, m.num_heads, m.head_dim, dtype=dtype)
             k = torch.randn(b, m.num_kv_heads, m.head_dim, dtype=dtype)
             v = torch.randn(b, m.num_kv_heads, m.v_head_dim, dtype=dtype)
-            kc = torch.randn(b * blocks_per_seq, heads, block, d_k, dtype=dtype)
-            vc = torch.randn(b * blocks_per_seq, heads, block, d_v, dtype=dtype)
+            kc = torch.randn(b * blocks_per_seq, heads, block, d_k, dtype=kv_dtype)
+            vc = torch.randn(b * blocks_per_seq, heads, block, d_v, dtype=kv_dtype)
             tables = torch.arange(b * blocks_per_seq, dtype=torch.int32).reshape(b, blocks_per_seq)
             lens = torch.full((b,), DECODE_CONTEXT, dtype=torch.int32)
             slots = torch.arange(b, dtype=torch.int64) * (blocks_per_seq * block) + DECODE_CONTEXT - 1
