@@ -385,3 +385,26 @@ def test_decode_attention_is_timed_on_a_cache_in_the_model_dtype(tiny, dtype, mo
     monkeypatch.setattr(DecodeAttention, "__call__", spy)
     rate, _ = measure_attention(tiny.with_dtype(dtype), fast=True)
     assert rate > 0 and seen == {getattr(torch, dtype)}
+
+
+def test_ensure_measures_a_fast_profile_again_when_a_full_one_is_asked(tiny, tiny_profile, tmp_path,
+                                                                       monkeypatch):
+    """The profiler's side of MOE_BATCH_PROFILE: `--ensure` without `--fast` replaces a cached
+    fast profile by a full measurement (stubbed here: it takes ~45 s) and keeps it when fast."""
+    from moe_engine.tools import profile_hardware
+
+    _, data = tiny_profile
+    assert data["mode"] == "fast"
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data))
+    asked = []
+
+    def full_profile(models, fast=False, threads=0):
+        asked.append(fast)
+        return {**data, "mode": "fast" if fast else "full"}
+
+    monkeypatch.setattr(profile_hardware, "profile_machine", full_profile)
+    assert ensure_profile(path, model=tiny, fast=True)["mode"] == "fast" and asked == []
+    assert ensure_profile(path, model=tiny)["mode"] == "full" and asked == [False]
+    assert yaml.safe_load(path.read_text())["mode"] == "full"
+    assert ensure_profile(path, model=tiny)["mode"] == "full" and asked == [False]

@@ -85,3 +85,27 @@ def test_profile_without_the_layer_layout_runs_the_profiler(tmp_path, monkeypatc
     monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
     stage.ensure_machine_profile(model, model_dir, "auto")
     assert len(calls) == 1 and "--ensure" in calls[0]
+
+
+def test_a_fast_profile_serves_fast_runs_and_is_measured_again_for_a_full_one(tmp_path, monkeypatch):
+    """MOE_BATCH_PROFILE=fast leaves a fast profile in the cache; a run without it measures
+    the machine fully once rather than keep the fast figures."""
+    model_dir, model = _model(tmp_path)
+    path = cached_profile_path(tmp_path / "hw")
+    path.parent.mkdir()
+    layout = layer_layout(model)
+    path.write_text(yaml.safe_dump({
+        **_gemm_profile(model), "mode": "fast",
+        "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0, "post_attention_us": 1.0}],
+        "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
+        "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
+        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}))
+    calls = []
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
+    monkeypatch.setenv("MOE_BATCH_PROFILE", "fast")
+    stage.ensure_machine_profile(model, model_dir, "auto")
+    assert calls == []
+    monkeypatch.delenv("MOE_BATCH_PROFILE")
+    stage.ensure_machine_profile(model, model_dir, "auto")
+    assert len(calls) == 1 and "--ensure" in calls[0] and "--fast" not in calls[0]

@@ -276,6 +276,13 @@ def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool
     return gemms_covered(data, models) and not layouts_missing(data, models)
 
 
+def profile_serves(data: Mapping[str, Any], models: Sequence[ModelSpec], fast: bool) -> bool:
+    """Whether a cached profile can be used as it is: it covers the models and, unless a fast
+    one is asked for, was not taken in the profiler's fast mode (MOE_BATCH_PROFILE=fast): a
+    run without it measures the machine fully once, instead of keeping the fast figures."""
+    return profile_covers(data, models) and (fast or data.get("mode") != "fast")
+
+
 class ProfileMissing(FileNotFoundError):
     """hardware.profile=auto and the machine's cached profile is absent or lacks the model."""
 

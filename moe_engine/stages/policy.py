@@ -104,7 +104,7 @@ def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
     """Measure this machine (hardware.profile=auto) if its cached profile is missing or lacks the
     model's GEMM shapes. The profiler runs as its own process: it needs torch and the kernels,
     which the performance model must not import."""
-    from moe_engine.perf.hardware import cached_profile_path, load_profile, profile_covers
+    from moe_engine.perf.hardware import cached_profile_path, load_profile, profile_serves
 
     # MOE_BATCH_PROFILE=fast: fewer token counts and shorter timings (~10 s instead of ~45 s;
     # the test suite's choice, whose workflows need a profile and not its precision)
@@ -112,7 +112,7 @@ def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
     if mode not in ("full", "fast"):
         raise ValueError(f"MOE_BATCH_PROFILE={mode!r}: expected 'full' or 'fast'")
     path = cached_profile_path(hardware_cache_dir())
-    if path.exists() and profile_covers(load_profile(path), [model]):
+    if path.exists() and profile_serves(load_profile(path), [model], fast=mode == "fast"):
         return
     cmd = [sys.executable, "-m", "moe_engine.tools.profile_hardware", "--ensure", "--out", str(path),
            "--model", str(model_dir)]
