@@ -57,17 +57,22 @@ def _gemm_profile(model) -> dict:
     return {"device_tflops": 1.0, "gemm": rows, **{k: 1.0 for k in HOST_KEYS}}
 
 
-def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):
-    model_dir, model = _model(tmp_path)
-    path = cached_profile_path(tmp_path / "hw")
-    path.parent.mkdir()
+def _covering_profile(model) -> dict:
+    """_gemm_profile with every per-layout point of the model's layer layout: it covers it."""
     layout = layer_layout(model)
-    path.write_text(yaml.safe_dump({
+    return {
         **_gemm_profile(model),
         "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0, "post_attention_us": 1.0}],
         "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
         "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
-        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}))
+        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}
+
+
+def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):
+    model_dir, model = _model(tmp_path)
+    path = cached_profile_path(tmp_path / "hw")
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(_covering_profile(model)))
     monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
     monkeypatch.setattr(stage, "subprocess", None)  # any measuring would fail
     stage.ensure_machine_profile(model, model_dir, "auto")
@@ -93,13 +98,7 @@ def test_a_fast_profile_serves_fast_runs_and_is_measured_again_for_a_full_one(tm
     model_dir, model = _model(tmp_path)
     path = cached_profile_path(tmp_path / "hw")
     path.parent.mkdir()
-    layout = layer_layout(model)
-    path.write_text(yaml.safe_dump({
-        **_gemm_profile(model), "mode": "fast",
-        "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0, "post_attention_us": 1.0}],
-        "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
-        "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
-        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}))
+    path.write_text(yaml.safe_dump({**_covering_profile(model), "mode": "fast"}))
     calls = []
     monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
     monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
