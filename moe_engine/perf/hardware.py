@@ -276,11 +276,17 @@ def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool
     return gemms_covered(data, models) and not layouts_missing(data, models)
 
 
+def profile_mode_serves(data: Mapping[str, Any], fast: bool) -> bool:
+    """Whether a profile was measured finely enough for a run: one taken in the profiler's fast
+    mode (MOE_BATCH_PROFILE=fast) serves only fast runs; a run without it measures the machine
+    fully once, instead of keeping the fast figures."""
+    return fast or data.get("mode") != "fast"
+
+
 def profile_serves(data: Mapping[str, Any], models: Sequence[ModelSpec], fast: bool) -> bool:
-    """Whether a cached profile can be used as it is: it covers the models and, unless a fast
-    one is asked for, was not taken in the profiler's fast mode (MOE_BATCH_PROFILE=fast): a
-    run without it measures the machine fully once, instead of keeping the fast figures."""
-    return profile_covers(data, models) and (fast or data.get("mode") != "fast")
+    """Whether a cached profile can be used as it is: it covers the models and its mode serves
+    the run (profile_mode_serves)."""
+    return profile_covers(data, models) and profile_mode_serves(data, fast)
 
 
 class ProfileMissing(FileNotFoundError):

@@ -33,7 +33,7 @@ from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir,
 
 # gemm_shapes is re-exported: callers import it from here.
 from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
-                                      load_profile, machine_fingerprint, profile_serves,
+                                      load_profile, machine_fingerprint, profile_covers, profile_mode_serves,
                                       total_memory_bytes)
 from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE, TORCH_GEMM_STORAGE
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
@@ -453,17 +453,17 @@ def learn_disk_rate(path: Path | str, offload_stats: dict[str, Any]) -> Optional
 def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False) -> dict[str, Any]:
     """The cached profile at `path`, measured (or extended with `model`'s GEMM shapes and layer
     layout) if needed. A profile from before the layer-layout points gets only those measured;
-    a fast one, when a full one is asked for, is measured again (profile_serves)."""
+    a fast one, when a full one is asked for, is measured again (profile_mode_serves)."""
     path = Path(path)
     models = [model] if model is not None else []
     data = load_profile(path) if path.exists() else None
-    if data is not None and not fast and data.get("mode") == "fast":
-        data = None
+    if data is not None and not profile_mode_serves(data, fast):
+        data = None  # measured anew, not extended: its fast figures would stay
     if data is not None:
         if data.get("disk_read_gbps") is None:  # a profile from before the disk tier: ~1 s
             data["disk_read_gbps"] = round(measure_disk_read_bandwidth(default_cache_dir()) / GB, 3)
             write_profile(data, path)
-        if profile_serves(data, models, fast):
+        if profile_covers(data, models):
             return data
         missing = layouts_missing(data, models)
         if gemms_covered(data, models):

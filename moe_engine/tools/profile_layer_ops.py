@@ -139,7 +139,6 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
     from moe_engine.model.attention import DecodeAttention, prefill_attention
 
     dtype = activation_dtype(m)
-    kv_dtype = kv_cache_dtype(m)
     dense = _dense_stub(m, dtype)
     heads, d_k, d_v = m.kv_cache_layout
     attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
