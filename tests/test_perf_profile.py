@@ -367,24 +367,43 @@ def test_gemm_points_of_a_storage_fall_back_to_the_untagged_ones(tiny, tiny_prof
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_decode_attention_is_timed_on_a_cache_in_the_model_dtype(tiny, dtype, monkeypatch):
+def test_attention_is_timed_on_a_cache_in_the_model_dtype(tiny, dtype, monkeypatch):
     """The engine's KV cache takes the model's dtype (engine.kv_dtype=auto), and the kernel
-    widens fp16 and bf16 differently: an fp16 model's rate is not a bf16 cache's."""
+    widens fp16 and bf16 differently: an fp16 model's rate is not a bf16 cache's. Every
+    attention figure (the KV rate, decode's per-call cost, prefill's writes into the cache)
+    is timed on such a cache; prefill's was written in the activations' fp32 before."""
     import torch
 
     from moe_engine.model.attention import DecodeAttention
     from moe_engine.tools.profile_hardware import measure_attention
+    from moe_engine.tools.profile_layer_ops import (measure_decode_attention,
+                                                    measure_prefill_attention)
 
-    seen = set()
-    run = DecodeAttention.__call__
+    read, written = set(), set()
+    run, init = DecodeAttention.__call__, DecodeAttention.__init__
 
-    def spy(self, q, key, value, *args, **kwargs):
-        seen.add(key.dtype)
+    def spy_read(self, q, key, value, *args, **kwargs):
+        read.add(key.dtype)
         return run(self, q, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(DecodeAttention, "__call__", spy)
-    rate, _ = measure_attention(tiny.with_dtype(dtype), fast=True)
-    assert rate > 0 and seen == {getattr(torch, dtype)}
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        write = self.write_kv  # chosen per instance (kernel or torch)
+
+        def spy_write(key_cache, value_cache, *rest, **kw):
+            written.update((key_cache.dtype, value_cache.dtype))
+            return write(key_cache, value_cache, *rest, **kw)
+        self.write_kv = spy_write
+
+    monkeypatch.setattr(DecodeAttention, "__call__", spy_read)
+    monkeypatch.setattr(DecodeAttention, "__init__", spy_init)
+    m = tiny.with_dtype(dtype)
+    rate, _ = measure_attention(m, fast=True)
+    decode = measure_decode_attention(m, fast=True)
+    prefill = measure_prefill_attention(m, fast=True)
+    assert rate > 0 and all(r["us_per_call"] > 0 for r in decode)
+    assert all(r["us_per_prompt"] > 0 for r in prefill)
+    assert read == written == {getattr(torch, dtype)}
 
 
 def test_ensure_measures_a_fast_profile_again_when_a_full_one_is_asked(tiny, tiny_profile, tmp_path,

@@ -139,6 +139,7 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
     from moe_engine.model.attention import DecodeAttention, prefill_attention
 
     dtype = activation_dtype(m)
+    kv_dtype = kv_cache_dtype(m)
     dense = _dense_stub(m, dtype)
     heads, d_k, d_v = m.kv_cache_layout
     attention = DecodeAttention("auto", head_dim=d_k, features=m.attention_features)
@@ -153,8 +154,9 @@ def measure_prefill_attention(m: ModelSpec, fast: bool) -> list[dict[str, Any]]:
             k = torch.randn(t, m.num_kv_heads, m.head_dim, dtype=dtype)
             v = torch.randn(t, m.num_kv_heads, m.v_head_dim, dtype=dtype)
             nblocks = -(-t // block) + 1
-            kc = torch.zeros(nblocks, heads, block, d_k, dtype=dtype)
-            vc = torch.zeros(nblocks, heads, block, d_v, dtype=dtype)
+            # The cache is in the model's dtype, as the engine's: the write converts fp32 K/V.
+            kc = torch.zeros(nblocks, heads, block, d_k, dtype=kv_dtype)
+            vc = torch.zeros(nblocks, heads, block, d_v, dtype=kv_dtype)
             slots = torch.arange(t, dtype=torch.int64)
 
             def attend() -> None:
