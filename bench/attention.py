@@ -2,7 +2,10 @@
 
 One run times, on the same shapes and interleaved repeat by repeat (the VM is noisy, so
 baseline and candidate must share the same moments):
-  kernel  moe_engine.model.paged_attention.paged_decode_attention on a paged cache with shuffled block tables;
+  kernel  moe_engine.model.paged_attention.paged_decode_attention on a paged cache with shuffled
+          block tables, allocated as the engine's (host_alloc.huge_page_zeros: 2 MiB pages where
+          the kernel offers them);
+  4k      the same kernel on a copy of that cache in ordinary 4 KiB pages (torch's allocator);
   sdpa    torch scaled_dot_product_attention(enable_gqa=True) on contiguous K/V;
   bmm     torch batched matmul with the GQA group folded into the query length, contiguous K/V;
   read    a STREAM-like read pass over a buffer larger than the last-level cache.
@@ -21,7 +24,8 @@ The header names the CPU, its relevant flags and the ISA build of the kernel tha
 roof is always measured with the widest vectors the CPU has.
 
 The last line is machine-readable, for the target shape (batch 64 x context 2048, bf16):
-  RESULT kernel_gbps=<x> read_gbps=<y> bw_fraction=<x/y> vs_sdpa=<kernel speed / sdpa speed> isa=<build>
+  RESULT kernel_gbps=<x> read_gbps=<y> bw_fraction=<x/y> vs_sdpa=<kernel speed / sdpa speed>
+         vs_4k_pages=<kernel speed / its speed on 4 KiB pages> isa=<build>
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # is set
 kernels = None
 DecodeAttention = None
+huge_page_zeros = None
 
 
 def read_gbps(buf: torch.Tensor, threads: int) -> float:
@@ -63,9 +68,12 @@ class Case:
         blocks_per_seq = -(-context // block_size)
         used = batch * blocks_per_seq
         # one pool, shuffled, split into `rotate` disjoint sets of block tables
-        self.key_cache = torch.randn(rotate * used, n_kv, block_size, d, generator=gen).to(dtype)
-        self.value_cache = (self.key_cache if latent_rank else
-                            torch.randn(rotate * used, n_kv, block_size, d, generator=gen).to(dtype))
+        self.key_cache_4k = torch.randn(rotate * used, n_kv, block_size, d, generator=gen).to(dtype)
+        self.value_cache_4k = (self.key_cache_4k if latent_rank else torch.randn(
+            rotate * used, n_kv, block_size, d, generator=gen).to(dtype))
+        self.key_cache = huge_page_zeros(self.key_cache_4k.shape, dtype).copy_(self.key_cache_4k)
+        self.value_cache = (self.key_cache if latent_rank else huge_page_zeros(
+            self.value_cache_4k.shape, dtype).copy_(self.value_cache_4k))
         perm = torch.randperm(rotate * used, generator=gen).to(torch.int32)
         self.tables = [perm[r * used:(r + 1) * used].view(batch, blocks_per_seq).contiguous()
                        for r in range(rotate)]
@@ -87,15 +95,20 @@ class Case:
         g = cache[table.long()].permute(0, 2, 1, 3, 4).reshape(self.batch, self.n_kv, -1, self.d)
         return g[:, :, :self.context].contiguous()
 
-    def kernel(self, r, threads):
+    def kernel(self, r, threads, small_pages=False):
+        key, value = ((self.key_cache_4k, self.value_cache_4k) if small_pages else
+                      (self.key_cache, self.value_cache))
         if self.latent is not None:
             self.latent.num_threads = threads
-            return self.latent(self.query, self.key_cache, None, self.tables[r],
-                               self.context_lens, self.scale)
-        kernels.paged_decode_attention(self.query, self.key_cache, self.value_cache, self.tables[r],
+            return self.latent(self.query, key, None, self.tables[r], self.context_lens,
+                               self.scale)
+        kernels.paged_decode_attention(self.query, key, value, self.tables[r],
                                        self.context_lens, self.scale, out=self.out,
                                        num_threads=threads)
         return self.out
+
+    def kernel_4k(self, r, threads):
+        return self.kernel(r, threads, small_pages=True)
 
     def sdpa(self, r, threads):
         q = self.query_t.unsqueeze(2)  # [batch, n_q, 1, d]
@@ -111,7 +124,7 @@ class Case:
 
 
 def run_case(case: Case, threads: int, repeats: int, stream_buf: torch.Tensor) -> dict:
-    methods = {"kernel": case.kernel, "sdpa": case.sdpa, "bmm": case.bmm}
+    methods = {"kernel": case.kernel, "4k": case.kernel_4k, "sdpa": case.sdpa, "bmm": case.bmm}
     ref = case.bmm(0, threads).float()
     for name, fn in methods.items():  # warm-up, and a sanity check that all three agree
         err = (fn(0, threads).float() - ref).abs().max().item()
@@ -161,8 +174,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.isa:
         os.environ["MOE_BATCH_ISA"] = args.isa  # the build is chosen once, at import
-    global kernels, DecodeAttention
+    global kernels, DecodeAttention, huge_page_zeros
     kernels = importlib.import_module("moe_engine.model.paged_attention")
+    from moe_engine.host_alloc import huge_page_zeros
     from moe_engine.model.attention import DecodeAttention
     from moe_engine.tools.machine_info import header
 
@@ -188,9 +202,9 @@ def main() -> None:
         print(f"# read bandwidth: 1 thread {one:.1f} GB/s, {args.threads} threads {many:.1f} GB/s"
               + ("  WARNING: threads do not scale, cores are contended" if many < 1.3 * one else ""))
     gen = torch.Generator().manual_seed(0)
-    header = (f"{'dtype':5} {'batch':>5} {'ctx':>5} | {'read':>6} | {'kernel':>6} {'sdpa':>6} "
-              f"{'bmm':>6} GB/s | {'kernel':>7} {'sdpa':>7} {'bmm':>7} Mtok/s | "
-              f"{'k/read':>6} {'k/sdpa':>6} {'k/bmm':>6}")
+    header = (f"{'dtype':5} {'batch':>5} {'ctx':>5} | {'read':>6} | {'kernel':>6} {'4k':>6} "
+              f"{'sdpa':>6} {'bmm':>6} GB/s | {'kernel':>7} {'sdpa':>7} {'bmm':>7} Mtok/s | "
+              f"{'k/read':>6} {'k/4k':>6} {'k/sdpa':>6} {'k/bmm':>6}")
     print(header)
     print("-" * len(header))
     results = {}
@@ -202,12 +216,12 @@ def main() -> None:
                 row = run_case(case, args.threads, args.repeats, stream_buf)
                 del case
                 results[(batch, ctx, dname)] = row
-                k, s, b = row["kernel"], row["sdpa"], row["bmm"]
+                k, k4, s, b = row["kernel"], row["4k"], row["sdpa"], row["bmm"]
                 print(f"{dname:5} {batch:5d} {ctx:5d} | {row['read']:6.1f} | {k['gbps']:6.1f} "
-                      f"{s['gbps']:6.1f} {b['gbps']:6.1f}      | {k['tok_s'] / 1e6:7.2f} "
-                      f"{s['tok_s'] / 1e6:7.2f} {b['tok_s'] / 1e6:7.2f}        | "
-                      f"{k['gbps'] / row['read']:6.2f} {s['s'] / k['s']:6.2f} "
-                      f"{b['s'] / k['s']:6.2f}", flush=True)
+                      f"{k4['gbps']:6.1f} {s['gbps']:6.1f} {b['gbps']:6.1f}      | "
+                      f"{k['tok_s'] / 1e6:7.2f} {s['tok_s'] / 1e6:7.2f} {b['tok_s'] / 1e6:7.2f}"
+                      f"        | {k['gbps'] / row['read']:6.2f} {k4['s'] / k['s']:6.2f} "
+                      f"{s['s'] / k['s']:6.2f} {b['s'] / k['s']:6.2f}", flush=True)
     shape, dname = args.target.split(":")
     batch, ctx = (int(x) for x in shape.split("x"))
     row = results.get((batch, ctx, dname))
@@ -216,7 +230,7 @@ def main() -> None:
     k = row["kernel"]
     print(f"RESULT kernel_gbps={k['gbps']:.2f} read_gbps={row['read']:.2f} "
           f"bw_fraction={k['gbps'] / row['read']:.3f} vs_sdpa={row['sdpa']['s'] / k['s']:.2f} "
-          f"isa={kernels.ISA}")
+          f"vs_4k_pages={row['4k']['s'] / k['s']:.3f} isa={kernels.ISA}")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,58 @@ def test_engine_stats_name_the_allocator(tiny_mixtral_dir):
         results = list(engine.generate([Request("r0", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=2))]))
         assert len(results) == 1
         assert engine.stats.to_dict()["host_allocator"] == engine.host_allocator != ""
+
+
+def _vm_flags(t) -> list[str]:
+    """The VmFlags of the mapping that holds tensor t (/proc/self/smaps)."""
+    addr = t.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+linux = pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/smaps")
+
+
+@linux
+def test_the_kv_cache_is_zero_and_advised_into_huge_pages(monkeypatch):
+    """The KV cache's pools get their own 2 MiB aligned mapping advised MADV_HUGEPAGE (VmFlags
+    'hg'; whether the kernel then backs it with huge pages is its THP mode), zero as
+    torch.zeros would make them, and stay valid through per-layer views once the pool's own
+    tensor is gone; a pool under one huge page, or MOE_BATCH_MALLOC=system, takes
+    torch.zeros."""
+    import gc
+
+    import torch
+
+    from moe_engine.host_alloc import HUGE_PAGE, huge_page_zeros
+    from moe_engine.model.kv_cache import KVCache
+    from moe_engine.model.spec import ModelSpec
+    from moe_engine.tools.presets import PRESETS, hf_config
+
+    monkeypatch.delenv("MOE_BATCH_MALLOC", raising=False)
+    pool = huge_page_zeros((4, 64, 8, 16, 128), torch.bfloat16)
+    assert pool.shape == (4, 64, 8, 16, 128) and pool.dtype == torch.bfloat16
+    assert pool.data_ptr() % HUGE_PAGE == 0 and "hg" in _vm_flags(pool)
+    assert not pool.any()
+    layers = pool.unbind(0)
+    del pool
+    gc.collect()
+    layers[3].fill_(2.0)
+    assert layers[3].float().mean().item() == 2.0 and not layers[2].any()
+
+    spec = ModelSpec.from_hf_config(hf_config(PRESETS["tiny-mixtral"]))
+    cache = KVCache.allocate(spec, 512, 16, torch.float32)
+    assert all("hg" in _vm_flags(t) for t in cache.key + cache.value)
+    assert not any(t.any() for t in cache.key + cache.value)
+    small = huge_page_zeros((16, 16), torch.float32)
+    assert "hg" not in _vm_flags(small) and not small.any()
+    monkeypatch.setenv("MOE_BATCH_MALLOC", "system")
+    assert "hg" not in _vm_flags(huge_page_zeros((4, 64, 8, 16, 128), torch.bfloat16))

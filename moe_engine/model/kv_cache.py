@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from moe_engine.host_alloc import huge_page_zeros
 from moe_engine.model.spec import GB, ModelSpec
 
 
@@ -69,13 +70,14 @@ class KVCache:
                      spec.attention_window(i) is not None else num_blocks
                      for i in range(spec.num_layers)]
         # One allocation per K/V and pool; zeros so stale pages never hold NaNs a masked
-        # kernel could touch. A latent cache (MLA) has no value tensors.
+        # kernel could touch; huge pages, since attention reads each block as a run of its own
+        # (host_alloc). A latent cache (MLA) has no value tensors.
         pools = {}
         for blocks in set(blocks_of):
             shape = (blocks_of.count(blocks), blocks, heads, block_size)
-            values = (iter(torch.zeros(shape + (value_dim,), dtype=dtype).unbind(0))
+            values = (iter(huge_page_zeros(shape + (value_dim,), dtype).unbind(0))
                       if value_dim else None)
-            pools[blocks] = (iter(torch.zeros(shape + (key_dim,), dtype=dtype).unbind(0)), values)
+            pools[blocks] = (iter(huge_page_zeros(shape + (key_dim,), dtype).unbind(0)), values)
         return cls(key=[next(pools[b][0]) for b in blocks_of],
                    value=[next(pools[b][1]) for b in blocks_of] if value_dim else [],
                    block_size=block_size)

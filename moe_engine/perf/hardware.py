@@ -37,7 +37,8 @@ HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "host_logit_ns", "d
 # 2: the experts' call with GPT-OSS's biases and clamped SwiGLU (bare experts before; its call
 # at 8 tokens read 141 us where it takes 276), GEMMs in the model's own dtype (2026-11-27).
 # 3: decode attention over a KV cache in the model's dtype (an fp16 model's was timed on bf16).
-# 4: prefill attention writes its K/V into a cache in the model's dtype (it wrote fp32).
+# 4: prefill attention writes its K/V into a cache in the model's dtype (it wrote fp32); the
+# KV rate is read from a cache in huge pages, as the engine's now is (host_alloc).
 PROFILE_METHOD = 4
 
 # An NVMe SSD's sequential O_DIRECT reads at queue depth 1 with 16 MiB requests (1.1-2.9 GB/s

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 
 import yaml
 
-from moe_engine.host_alloc import tune_host_allocator
+from moe_engine.host_alloc import huge_page_zeros, tune_host_allocator
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
@@ -278,8 +278,9 @@ def measure_attention(m: ModelSpec, fast: bool) -> tuple[float, str]:
     # MLA's latent cache: one entry whose first kv_lora_rank dims are the values.
     latent = m.mla.kv_lora_rank if m.mla is not None else None
     d_k = max(d_k, d_v)
-    key = torch.empty(nblocks, heads, block, d_k, dtype=dt).uniform_(-1, 1)
-    value = (torch.empty(nblocks, heads, block, d_k, dtype=dt).uniform_(-1, 1)
+    # allocated as the engine's cache is (KVCache.allocate: huge pages where offered)
+    key = huge_page_zeros((nblocks, heads, block, d_k), dt).uniform_(-1, 1)
+    value = (huge_page_zeros((nblocks, heads, block, d_k), dt).uniform_(-1, 1)
              if latent is None else None)
     q = torch.randn(seqs, m.num_heads, d_k, dtype=activation_dtype(m))
     tables = torch.arange(nblocks, dtype=torch.int32).view(seqs, blocks_per_seq)
