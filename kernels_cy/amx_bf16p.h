@@ -127,6 +127,91 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
     }
 }
 
+/* The bf16x3 tile function of the amx build: as tile_bf16p_amx, with each activation tile
+ * loaded three times, once per term plane (ldx / 3 words apart in a row), and multiplied by the
+ * same weight tiles: per step of 16 pairs, the hi, lo and lo2 terms in that order into the same
+ * accumulators. Two row tiles take 6 activation loads and 2 weight loads for 12 tdpbf16ps (4 +
+ * 4 for bf16p's 4), so the tiles wait less on loads. The pairs past the last whole step go
+ * through vdpbf16ps, term by term in the same order. */
+static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
+                            const void *gscale, const epilogue *ep, int row0) {
+    (void)gscale;
+    const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx, ldt = ldx / 3;
+    const char *xa = (const char *)x;
+    const int two = m > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
+    for (int64_t j = 0; j < whole; j += 16) {
+        if (j < fetch) {
+            const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
+            for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+        }
+        if (j < fetch_x)
+            for (int t = 0; t < 3; t++) {
+                const char *ahead = xa + 4 * (t * ldt + j + 16 * AMX_PREFETCH_X);
+                for (int l = 0; l < (two ? 32 : 16); l++)
+                    _mm_prefetch(ahead + l * stride, _MM_HINT_T0);
+            }
+        _tile_loadd(6, panel + j * 128, 128);
+        _tile_loadd(7, panel + j * 128 + 64, 128);
+        /* tiles 4 and 5 alternate, so a load need not wait for the products of the last */
+        _tile_loadd(4, xa + 4 * j, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xa + 4 * (ldt + j), stride);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(4, xa + 4 * (2 * ldt + j), stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            const char *xb = xa + 16 * stride;
+            _tile_loadd(5, xb + 4 * j, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_loadd(4, xb + 4 * (ldt + j), stride);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 4, 7);
+            _tile_loadd(5, xb + 4 * (2 * ldt + j), stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float c[AMX_ROWS][32];
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    if (two) {
+        _tile_stored(2, &c[16][0], 128);
+        _tile_stored(3, &c[16][16], 128);
+    }
+    for (int r0 = 0; r0 < m; r0 += MR) {
+        const int mm = m - r0 < MR ? m - r0 : MR;
+        vf acc[MR][2];
+        for (int r = 0; r < mm; r++) {
+            acc[r][0] = ldf(c[r0 + r]);
+            acc[r][1] = ldf(c[r0 + r] + 16);
+        }
+        for (int64_t j = whole; j < k2; j++) {
+            const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
+            const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
+            for (int r = 0; r < mm; r++)
+                for (int t = 0; t < 3; t++) {
+                    int32_t w;
+                    memcpy(&w, x + (r0 + r) * ldx + t * ldt + j, sizeof w);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
+                    acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
+                    acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
+                }
+        }
+        apply_epilogue(mm, acc, 0, ep, row0 + r0);
+    }
+}
+
 /* The bf16 dot-product probe on tiles: n iterations of four independent tdpbf16ps per thread
  * (AMX_PROBE_FLOPS each iteration). */
 #define AMX_PROBE_FLOPS (4 * 16 * 16 * 32 * 2)

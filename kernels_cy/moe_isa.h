@@ -50,8 +50,16 @@
 /* Storage dtypes of packed weights; KV caches use the first three. */
 enum moe_wdtype {
     MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4, MOE_W_FP4 = 5,
-    MOE_W_BF16P = 6
+    MOE_W_BF16P = 6, MOE_W_BF16X3 = 7
 };
+/* bf16p and bf16x3 hold the same panels (bf16 weights in pairs of k). bf16p's GEMMs round each
+ * activation to bf16 (one term); bf16x3's split it into three bf16 terms whose sum is the fp32
+ * value exactly (8 + 8 + 8 significand bits), so their products, each exact in fp32, add up to
+ * fp32 GEMM results at three times bf16p's multiply-adds. The activation rows then hold three
+ * planes of pair words: term t of pair j at word t * (row stride / 3) + j. */
+static inline int moe_pair_terms(int dtype) {
+    return dtype == MOE_W_BF16P ? 1 : dtype == MOE_W_BF16X3 ? 3 : 0;
+}
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
 enum moe_probe { MOE_PROBE_FMA = 0, MOE_PROBE_BF16_DOT = 1 };
 /* The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped form
@@ -154,11 +162,22 @@ extern const moe_isa_ops moe_ops_amx;
  * fp32 row, or its bf16 pairs at 2048) would all map to one set and evict each other. */
 static inline int64_t moe_row_stride(int64_t n) { return (((n + 15) / 16) | 1) * 16; }
 
-/* Scratch the moe_ffn of T tokens x top_k needs, in floats and int32s. */
-static inline int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I) {
+/* The row stride of activations of n inputs as a GEMM on weights of `terms` (moe_pair_terms)
+ * reads them: fp32 or bf16 pairs (0, 1) at the fp32 row's stride, three planes of pair words
+ * (3) each at moe_row_stride(ceil(n/2)), still an odd number of lines in all. */
+static inline int64_t moe_act_stride(int64_t n, int terms) {
+    return terms == 3 ? 3 * moe_row_stride((n + 1) / 2) : moe_row_stride(n);
+}
+
+/* Scratch the moe_ffn of T tokens x top_k needs, in floats and int32s, for experts whose
+ * weights take `terms` (moe_pair_terms). */
+static inline int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I,
+                                          int terms) {
     int64_t rows = T * top_k;
-    return (rows + MOE_PAD_ROWS) * moe_row_stride(H) /* gathered x */
-           + (rows + MOE_PAD_ROWS) * moe_row_stride(I) /* SwiGLU activations */
+    return (rows + MOE_PAD_ROWS) * moe_act_stride(H, terms) /* gathered x */
+           + (rows + MOE_PAD_ROWS) * moe_act_stride(I, terms) /* SwiGLU activations */
+           /* bf16x3: the SwiGLU outputs in fp32, before they are split into the planes */
+           + (terms == 3 ? rows * moe_row_stride(I) : 0)
            + rows * H /* slots */;
 }
 static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) {

@@ -5,7 +5,7 @@ from libc.stdint cimport int32_t, int64_t
 cdef extern from "moe_isa.h" nogil:
     int MOE_NR
     int MOE_I4_GROUP
-    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P
+    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P, MOE_W_BF16X3
     int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_AMX
     int MOE_ISA_COUNT
     int MOE_ACT_NONE, MOE_ACT_SIGMOID
@@ -51,7 +51,8 @@ cdef extern from "moe_isa.h" nogil:
         int64_t (*probe_flops)(int kind) noexcept nogil
         int (*decode_attention)(const moe_attn_args *args, int nthreads) noexcept nogil
         double (*read_sum)(const float *p, int64_t n, int nthreads) noexcept nogil
-    int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I)
+    int moe_pair_terms(int dtype)
+    int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I, int terms)
     int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts)
     int moe_isa_supported(int isa)
     int moe_isa_best()

@@ -59,14 +59,14 @@ static inline vi widen_u8(const void *p) {
 #endif
 }
 
-/* Bytes of one k-row (32 columns) per weight dtype; bf16p: of one pair-row (two k). */
+/* Bytes of one k-row (32 columns) per weight dtype; bf16p, bf16x3: of one pair-row (two k). */
 static inline int64_t krow_bytes(int dt) {
-    return (dt == MOE_W_F32 || dt == MOE_W_BF16P) ? 128
+    return (dt == MOE_W_F32 || moe_pair_terms(dt)) ? 128
            : dt == MOE_W_I8 ? 32 : (dt == MOE_W_I4 || dt == MOE_W_FP4) ? 16 : 64;
 }
 
-/* k-rows a panel holds: k, or ceil(k/2) pair-rows for bf16p. */
-static inline int64_t panel_rows(int dt, int64_t k) { return dt == MOE_W_BF16P ? (k + 1) / 2 : k; }
+/* k-rows a panel holds: k, or ceil(k/2) pair-rows for bf16p and bf16x3. */
+static inline int64_t panel_rows(int dt, int64_t k) { return moe_pair_terms(dt) ? (k + 1) / 2 : k; }
 
 /* fp32 bits -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN): what the
  * activations of bf16p weights become, the same on every ISA. */
@@ -89,6 +89,56 @@ static inline void bf16_pairs(const void *src, int64_t k, void *dst) {
         w = bf16_round(lo) | (2 * j + 1 < k ? bf16_round(hi) << 16 : 0u);
         memcpy(out + 4 * j, &w, 4);
     }
+}
+
+static inline float bf16_value(uint32_t b) {
+    const uint32_t u = b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 value f as three bf16s (bf16x3) whose sum is f exactly: each term is the top 8
+ * significand bits of what the previous ones left (truncated, so every term has f's sign and
+ * none overflows: FLT_MAX would round to inf), and a 24-bit significand takes three. Below
+ * the normal range (|f| < 2^-110) the last terms are fp32 subnormals, which lose bits here
+ * and which tdpbf16ps reads as zero. inf and NaN are the first term alone (NaN kept quiet). */
+static inline void bf16_split3(float f, uint32_t t[3]) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u) {
+        t[0] = bf16_round(u);
+        t[1] = t[2] = 0;
+        return;
+    }
+    t[0] = u >> 16;
+    const float r1 = f - bf16_value(t[0]);
+    memcpy(&u, &r1, sizeof u);
+    t[1] = u >> 16;
+    const float r2 = r1 - bf16_value(t[1]);
+    memcpy(&u, &r2, sizeof u);
+    t[2] = u >> 16;
+}
+
+/* k fp32 values at src as the three planes of bf16x3 pair words at dst, plane t at word
+ * t * ldt (k odd: the last paired with zero). dst must not overlap src. */
+static inline void bf16_pairs3(const float *src, int64_t k, uint32_t *dst, int64_t ldt) {
+    for (int64_t j = 0; 2 * j < k; j++) {
+        uint32_t lo[3], hi[3] = {0, 0, 0};
+        bf16_split3(src[2 * j], lo);
+        if (2 * j + 1 < k) bf16_split3(src[2 * j + 1], hi);
+        for (int t = 0; t < 3; t++) dst[t * ldt + j] = lo[t] | hi[t] << 16;
+    }
+}
+
+/* A row of k fp32 activations as the GEMM on weights of `terms` (moe_pair_terms) reads it, at
+ * dst: bf16 pairs (1; dst may be src) or bf16x3 planes in a row of stride ldx words (3; dst
+ * must not overlap src). */
+static inline void to_terms(const float *src, int64_t k, float *dst, int64_t ldx, int terms) {
+    if (terms == 3)
+        bf16_pairs3(src, k, (uint32_t *)dst, ldx / 3);
+    else
+        bf16_pairs(src, k, dst);
 }
 
 /* The E2M1 (FP4) values by code: sign bit 3, then 2 exponent bits and 1 mantissa bit. */
@@ -178,15 +228,20 @@ static inline __attribute__((always_inline)) void micro_kernel(
         }
         return;
     }
-    if (dt == MOE_W_BF16P) { /* x holds bf16 pair words, ldx of them a row */
-        for (int64_t j = 0; j < (K + 1) / 2; j++) {
+    if (moe_pair_terms(dt)) { /* x holds bf16 pair words, ldx of them a row (bf16x3: in
+                                 * three planes, ldx / 3 words apart; the terms of each pair in
+                                 * order) */
+        const int terms = moe_pair_terms(dt);
+        const int64_t ldt = ldx / 3;
+        for (int64_t jt = 0; jt < (K + 1) / 2 * terms; jt++) {
+            const int64_t j = jt / terms, xo = (jt - j * terms) * ldt + j;
             const char *row = panel + j * rb;
 #if VW == 16 && defined(__AVX512BF16__)
             const __m512bh a = (__m512bh)_mm512_loadu_si512(row + s * VW * 4);
             const __m512bh b = (__m512bh)_mm512_loadu_si512(row + (16 + s * VW) * 4);
             for (int r = 0; r < M; r++) {
                 int32_t w;
-                memcpy(&w, x + r * ldx + j, sizeof w);
+                memcpy(&w, x + r * ldx + xo, sizeof w);
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
                 acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
                 acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
@@ -197,7 +252,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
             cvt_bf16_halves(row + (16 + s * VW) * 4, &b_lo, &b_hi);
             for (int r = 0; r < M; r++) {
                 uint32_t w;
-                memcpy(&w, x + r * ldx + j, sizeof w);
+                memcpy(&w, x + r * ldx + xo, sizeof w);
                 const uint32_t wl = w << 16, wh = w & 0xffff0000u;
                 float fl, fh;
                 memcpy(&fl, &wl, sizeof fl);
@@ -343,8 +398,9 @@ MOE_TILE_FN(tile_f16, MOE_W_F16)
 MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
 MOE_TILE_FN(tile_fp4, MOE_W_FP4)
-#if !defined(MOE_AMX) /* the amx build takes bf16p on tiles (tile_bf16p_amx) */
+#if !defined(MOE_AMX) /* the amx build takes bf16p and bf16x3 on tiles (amx_bf16p.h) */
 MOE_TILE_FN(tile_bf16p, MOE_W_BF16P)
+MOE_TILE_FN(tile_bf16x3, MOE_W_BF16X3)
 #endif
 
 typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, const void *,
@@ -354,17 +410,18 @@ typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, cons
 #include "amx_bf16p.h"
 #endif
 
-/* Token rows one tile call takes: AMX_ROWS for bf16p on AMX tiles, MR in registers. */
+/* Token rows one tile call takes: AMX_ROWS for bf16p and bf16x3 on AMX tiles, MR in
+ * registers. */
 static inline int tile_rows(int dt) {
 #if defined(MOE_AMX)
-    if (dt == MOE_W_BF16P) return AMX_ROWS;
+    if (moe_pair_terms(dt)) return AMX_ROWS;
 #endif
     (void)dt;
     return MR;
 }
 
-/* Sets up (and, at the end, releases) the calling thread's AMX tiles when `bf16p` weights run
- * on them; nothing on the other builds. Called by every thread of a parallel region. */
+/* Sets up (and, at the end, releases) the calling thread's AMX tiles when `bf16p` (or bf16x3)
+ * weights run on them; nothing on the other builds. Called by every thread of a parallel region. */
 static inline void tiles_begin(int bf16p) {
 #if defined(MOE_AMX)
     if (bf16p) amx_tiles_begin();
@@ -388,8 +445,10 @@ static tile_fn tile_for(int dt) {
         case MOE_W_FP4: return tile_fp4;
 #if defined(MOE_AMX)
         case MOE_W_BF16P: return tile_bf16p_amx;
+        case MOE_W_BF16X3: return tile_bf16x3_amx;
 #else
         case MOE_W_BF16P: return tile_bf16p;
+        case MOE_W_BF16X3: return tile_bf16x3;
 #endif
         default: return tile_f32;
     }
@@ -420,7 +479,9 @@ static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 
  * times; its activations, re-read once per panel, must stay in the core's L2. Work
  * partitioning only: each row's result is the same whatever the item size. */
 static inline int64_t item_rows(const moe_packed *w) {
-    const int64_t row_bytes = (w->dtype == MOE_W_BF16P ? 2 : 4) * (w->k > 1 ? w->k : 1);
+    /* fp32: 4 bytes an input; bf16 pairs 2; bf16x3's three planes of them 6 */
+    const int64_t row_bytes = (moe_pair_terms(w->dtype) ? 2 * moe_pair_terms(w->dtype) : 4) *
+                              (w->k > 1 ? w->k : 1);
     const int64_t rows = ITEM_BYTES / row_bytes / tile_rows(w->dtype) * tile_rows(w->dtype);
     return rows < TC ? TC : rows > ITEM_ROWS_MAX ? ITEM_ROWS_MAX : rows;
 }
@@ -437,18 +498,19 @@ static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ld
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     const tile_fn tile_of = tile_for(w->dtype);
-    const int mr = tile_rows(w->dtype), bf16p = w->dtype == MOE_W_BF16P;
+    const int mr = tile_rows(w->dtype), terms = moe_pair_terms(w->dtype), bf16p = terms > 0;
     const int64_t P = num_panels(w), tc = item_rows(w), chunks = (T + tc - 1) / tc,
                   items = P * chunks;
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
     uint32_t *pairs = NULL;
-    if (bf16p) { /* the rows as bf16 pairs, once for every panel, MOE_PAD_ROWS rows spare */
-        const int64_t ldp = moe_row_stride((w->k + 1) / 2);
+    if (bf16p) { /* the rows as bf16 pairs (or bf16x3 planes), once for every panel,
+                  * MOE_PAD_ROWS rows spare */
+        const int64_t ldp = terms == 3 ? moe_act_stride(w->k, 3) : moe_row_stride((w->k + 1) / 2);
         pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)((T + MOE_PAD_ROWS) * ldp));
         if (!pairs) return -2;
         memset(pairs + T * ldp, 0, sizeof(uint32_t) * (size_t)(MOE_PAD_ROWS * ldp));
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
-        for (int64_t t = 0; t < T; t++) bf16_pairs(x + t * ldx, w->k, pairs + t * ldp);
+        for (int64_t t = 0; t < T; t++) to_terms(x + t * ldx, w->k, (float *)(pairs + t * ldp), ldp, terms);
         x = (const float *)pairs;
         ldx = ldp;
     }
@@ -475,18 +537,21 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
 }
 
 /* The SwiGLU experts (see moe_isa_ops.moe_ffn). Returns 0, -1 when an index names an expert
- * that is out of range or absent, -2 when out of memory, -3 when the experts mix bf16p with
- * other storage (the gathered rows are either bf16 pairs or fp32 for all of them). */
+ * that is out of range or absent, -2 when out of memory, -3 when the experts mix bf16p or
+ * bf16x3 with other storage (the gathered rows are bf16 pairs, bf16x3 planes or fp32 for all
+ * of them). */
 static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx,
                         const float *weight, int top_k, const moe_expert *experts, int E,
                         const moe_glu *glu, float *out, float *work, int32_t *iwork,
                         int nthreads) {
     const int64_t rows = T * top_k;
     int64_t I = 0;
-    int pairs13 = -1, pairs2 = -1; /* whether w13 / w2 take bf16 pairs (-1: no expert yet) */
+    /* the terms of w13 / w2's activations (moe_pair_terms; -1: no expert yet) */
+    int pairs13 = -1, pairs2 = -1;
     for (int e = 0; e < E; e++) {
         if (!experts[e].w13.data) continue;
-        const int p13 = experts[e].w13.dtype == MOE_W_BF16P, p2 = experts[e].w2.dtype == MOE_W_BF16P;
+        const int p13 = moe_pair_terms(experts[e].w13.dtype),
+                  p2 = moe_pair_terms(experts[e].w2.dtype);
         if (I == 0) {
             I = experts[e].w2.k;
             pairs13 = p13;
@@ -513,19 +578,24 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     }
     /* gathered rows and activations, each followed by MOE_PAD_ROWS spare rows (AMX tiles read
      * whole row tiles) */
-    const int64_t ldh = moe_row_stride(H), ldi = moe_row_stride(I);
+    const int terms = pairs13 > pairs2 ? pairs13 : pairs2; /* as work_floats sized it */
+    const int64_t ldh = moe_act_stride(H, terms), ldi = moe_act_stride(I, terms);
     float *xg = work, *act = xg + (rows + MOE_PAD_ROWS) * ldh,
           *slots = act + (rows + MOE_PAD_ROWS) * ldi;
     const int parallel = nthreads > 1 && rows * H * I >= SMALL_WORK;
-    const int bf16p = pairs13 == 1 || pairs2 == 1;
+    const int bf16p = pairs13 > 0 || pairs2 > 0;
+    /* bf16x3: the SwiGLU outputs go to fp32 rows of their own (the planes of a row would
+     * overwrite its values before they are read), then are split into act's planes */
+    const int64_t ld32 = pairs2 == 3 ? moe_row_stride(I) : ldi;
+    float *act32 = pairs2 == 3 ? slots + rows * H : act;
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
         tiles_begin(bf16p);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; i++) {
             const float *src = x + (by_expert[i] / top_k) * H;
-            if (pairs13 == 1) /* bf16 pairs at the fp32 row stride: ldx stays H */
-                bf16_pairs(src, H, xg + i * ldh);
+            if (pairs13 > 0) /* bf16 pairs at the fp32 row stride, or bf16x3 planes */
+                to_terms(src, H, xg + i * ldh, ldh, pairs13);
             else
                 memcpy(xg + i * ldh, src, sizeof(float) * H);
         }
@@ -537,7 +607,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             const tile_fn tile_of = tile_for(w->dtype);
             const int64_t P = num_panels(w), tc = item_rows(w), chunks = (n + tc - 1) / tc;
             const float *xe = xg + (int64_t)offset[e] * ldh;
-            float *ae = act + (int64_t)offset[e] * ldi;
+            float *ae = act32 + (int64_t)offset[e] * ld32;
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < P * chunks; it++) {
                 const int64_t p = it % P, c = it / P;
@@ -547,7 +617,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                      .ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16),
                                      .cscale = panel_cscale(w, p),
                                      .bias = b13 ? b13 + p * MOE_NR : NULL, .glu = glu,
-                                     .out = ae + p * 16, .ldo = ldi};
+                                     .out = ae + p * 16, .ldo = ld32};
                 run_tiles(tile_of, tile_rows(w->dtype), xe, ldh, H, panel_ptr(w, p),
                           panel_gscale(w, p), &ep, c * tc, t1);
             }
@@ -557,6 +627,9 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < rows; i++)
                 bf16_pairs(act + i * ldi, I, act + i * ldi);
+        } else if (pairs2 == 3) { /* as bf16x3 planes */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < rows; i++) to_terms(act32 + i * ld32, I, act + i * ldi, ldi, 3);
         }
         /* down GEMM, each row weighted by its routing weight into its (token, slot) row */
         for (int e = 0; e < E; e++) {

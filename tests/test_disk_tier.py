@@ -325,15 +325,19 @@ def test_a_one_slot_ring_and_per_micro_batch_grouping_give_identical_tokens(mixt
     assert _tokens(mixtral_dir, grouped) == reference
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4", "bf16p"])
+@pytest.mark.parametrize("storage", ["int8", "int4", "bf16p", "bf16x3"])
 def test_quantized_experts_page_from_disk_like_resident_ones(mixtral_dir, storage):
-    # bf16p: medium matmul precision's bf16 pairs (int32 words) page as any other storage
+    # bf16p: medium matmul precision's bf16 pairs (int32 words), bf16x3: high's (uint32 words,
+    # from a bf16 model) page as any other storage
     knobs = ({"matmul_precision": "medium"} if storage == "bf16p"
+             else {"matmul_precision": "high"} if storage == "bf16x3"
              else {"expert_dtype": storage})
-    resident = _tokens(mixtral_dir, replace(CONFIG, **knobs))
-    assert _tokens(mixtral_dir, replace(CONFIG, **knobs, host_resident_ratio=0.25)) == resident
+    dtype = "bfloat16" if storage == "bf16x3" else "float32"
+    resident = _tokens(mixtral_dir, replace(CONFIG, **knobs), dtype)
+    assert _tokens(mixtral_dir, replace(CONFIG, **knobs, host_resident_ratio=0.25),
+                   dtype) == resident
     assert _tokens(mixtral_dir, replace(CONFIG, **knobs, resident_ratio=0.5,
-                                        cpu_experts=False)) == resident
+                                        cpu_experts=False), dtype) == resident
 
 
 def test_a_checkpoint_changed_under_a_running_job_fails_naming_the_file(builtin_dir, tmp_path):

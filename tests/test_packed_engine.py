@@ -3,7 +3,8 @@ fp32 activations, and matches transformers run in fp32 on the same (upcast) weig
 GEMM path stays at parity too; a row's logits are bitwise the same alone and inside batches of
 7 and 64 (batch invariance); quantized experts run and stay close to bf16; medium matmul
 precision (bf16 activations on bf16 pairs) runs every GEMM in that storage, stays close to
-highest and is batch invariant too."""
+highest and is batch invariant too; high precision (bf16x3: each activation as three bf16 terms
+summing to it exactly) holds the same parity with transformers as highest, batch invariant."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,15 +37,20 @@ def _subset(reference, indices):
     return {str(i): reference[str(k)] for k, i in enumerate(indices)}
 
 
-def test_bf16_checkpoint_on_packed_kernels_matches_fp32_transformers(bf16_dir):
-    engine = LLMEngine(bf16_dir, EngineConfig(threads=2, kv_cache_gb=0.02, kv_dtype="float32"))
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_bf16_checkpoint_on_packed_kernels_matches_fp32_transformers(bf16_dir, precision):
+    engine = LLMEngine(bf16_dir, EngineConfig(threads=2, kv_cache_gb=0.02, kv_dtype="float32",
+                                              matmul_precision=precision))
     assert engine.gemm == "packed" and engine.dtype == torch.bfloat16
-    # the experts stay as stored: bf16, or MXFP4 as GPT-OSS is released (never widened)
-    stored = engine.spec.expert_storage or "bf16"
-    assert f"weights bf16, experts {stored}" in engine.gemm_path
+    # the experts stay as stored: bf16 (high: as bf16x3's panels of bf16 pairs), or MXFP4 as
+    # GPT-OSS is released (never widened)
+    held = "bf16" if precision == "highest" else "bf16x3"
+    stored = engine.spec.expert_storage or held
+    assert f"weights {held}, experts {stored}" in engine.gemm_path
     expert = next(layer.experts[0] for layer in engine.runner.weights.layers if layer.experts)
     assert packed.is_packed(expert)
-    assert expert.w13.dtype == (torch.uint8 if stored == "mxfp4" else torch.bfloat16)
+    assert expert.w13.dtype == {"mxfp4": torch.uint8, "bf16": torch.bfloat16,
+                                "bf16x3": torch.uint32}[stored]
     reference = _hf_generate(_hf_model(bf16_dir), engine.tokenizer, [PROMPTS[i] for i in INDICES])
     _assert_matches(engine, _subset(reference, INDICES), _requests(INDICES))
 
@@ -140,10 +146,14 @@ def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtr
     assert (medium[0] - highest[0]).abs().max().item() < 0.03 * highest[0].abs().max().item()
 
 
-def test_medium_precision_rows_are_bitwise_identical_alone_and_in_batches(tiny_mixtral_dir):
-    _assert_batch_invariant(LLMEngine(tiny_mixtral_dir, EngineConfig(
-        threads=2, kv_cache_gb=0.05, num_micro_batches=3, matmul_precision="medium")),
-        new_tokens=4)
+@pytest.mark.parametrize("precision", ["medium", "high"])
+def test_bf16_term_precisions_rows_are_bitwise_identical_alone_and_in_batches(tiny_mixtral_dir,
+                                                                              precision):
+    engine = LLMEngine(tiny_mixtral_dir, EngineConfig(
+        threads=2, kv_cache_gb=0.05, num_micro_batches=3, matmul_precision=precision),
+        dtype="bfloat16")
+    assert {"medium": "bf16p", "high": "bf16x3"}[precision] in engine.gemm_path
+    _assert_batch_invariant(engine, new_tokens=4)
 
 
 def test_packed_gemm_on_cuda_is_a_config_error():
@@ -155,6 +165,8 @@ def test_packed_gemm_on_cuda_is_a_config_error():
         compose(["engine.expert_dtype=int4", "engine.gemm=torch"])
     with pytest.raises(ConfigError, match="engine.matmul_precision.*medium"):
         compose(["engine.matmul_precision=medium", "engine.gemm=torch"])
+    with pytest.raises(ConfigError, match="engine.matmul_precision.*high"):
+        compose(["engine.matmul_precision=high", "engine.backend=cuda"])
     with pytest.raises(ConfigError, match="engine.matmul_precision"):
         compose(["engine.matmul_precision=low"])
     # Quantized experts page like any other now (the pager moves their scales with them).

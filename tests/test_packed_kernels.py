@@ -5,7 +5,8 @@ the panel width, experts that receive no token. Also: a row's result is bitwise 
 whatever rows share its call (batch invariance), and the same on every FMA-capable ISA.
 bf16p (engine.matmul_precision=medium) rounds the activations to bf16 before its GEMMs; its
 reference does the same, and AVX512-BF16's vdpbf16ps is compared with the FMA builds' emulation
-of it."""
+of it. bf16x3 (matmul_precision=high) splits them into three bf16 terms summing to them exactly:
+its reference takes x as it is, and its results are held to fp32's tolerance."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(not packed.HAS_PACKED_KERNELS, reason="kernels n
 ISAS = packed.supported_isas()
 TOKENS = [1, 2, 15, 16, 17, 64, 333]
 FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-         "bf16p": torch.bfloat16}
+         "bf16p": torch.bfloat16, "bf16x3": torch.bfloat16}
 
 
 def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
@@ -78,14 +79,33 @@ def test_linear_matches_fp64_reference(isa, storage, tokens):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("storage", packed.PAIR_STORAGES)
 @pytest.mark.parametrize("k", [1, 33, 97])
-def test_bf16_pairs_take_an_odd_input_size(isa, k):
+def test_bf16_pairs_take_an_odd_input_size(isa, storage, k):
     """An odd k pairs its last input with a zero (in the weight and in the activations)."""
     torch.manual_seed(k)
     w, x = torch.randn(40, k) * 0.1, torch.randn(17, k)
-    y = packed.packed_linear(x, packed.pack_linear(w, "bf16p"), isa=isa, threads=2)
-    ref = activations(x, "bf16p") @ dequantized(w, "bf16p").T
+    y = packed.packed_linear(x, packed.pack_linear(w, storage), isa=isa, threads=2)
+    ref = activations(x, storage) @ dequantized(w, storage).T
     assert (y.double() - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16x3_terms_sum_to_the_activation_exactly(isa):
+    """bf16x3's three bf16 terms carry every bit of an fp32 activation: through weights that
+    pick one input at a time (1.0, exact in bf16) the kernel gives x back bitwise, on tiles
+    and in the emulation, for values that bf16 rounding would change and the largest finite
+    float (which bf16 rounds to inf); inf and NaN pass as themselves. (Below 2^-110 the last
+    terms are subnormal, which tdpbf16ps reads as zero.)"""
+    x = torch.tensor([[1 + 2 ** -8, 1 + 3 * 2 ** -23, -(1 + 2 ** -9 + 2 ** -20), 3.4028235e38,
+                       -2.5, 0.1, 2.0 ** -100 / 3, 1 / 3]])
+    y = packed.packed_linear(x, packed.pack_linear(torch.eye(x.shape[1]), "bf16x3"), isa=isa,
+                             threads=1)
+    assert torch.equal(y, x)
+    one = packed.pack_linear(torch.ones(1, 1), "bf16x3")
+    special = torch.tensor([[float("inf")], [float("-inf")], [float("nan")]])
+    y = packed.packed_linear(special, one, isa=isa)  # a row each: 0 * inf would be NaN
+    assert y[0, 0] == float("inf") and y[1, 0] == float("-inf") and y[2, 0].isnan()
 
 
 def test_bf16_pair_activations_round_to_nearest_even():
@@ -227,7 +247,7 @@ def test_moe_ffn_rejects_an_absent_expert():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("storage", ["bf16", "bf16p"])
+@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3"])
 def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     """Bitwise: one row alone, in a batch of 7, of 64, of 500 and of 800, at another position.
     136 and 104 inputs are not whole AMX steps of 32 (the amx build adds the last pairs after
@@ -258,13 +278,13 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
         assert torch.equal(lin_out[pos], alone_lin[0])
 
 
-@pytest.mark.parametrize("storage", ["bf16", "bf16p"])
+@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3"])
 def test_fma_isas_agree_bitwise(storage):
     # AVX512BF16 and AMX run bf16 weights with the AVX-512 code: they join the comparison;
-    # bf16p runs there on vdpbf16ps / AMX tiles (compared with a tolerance below), on the others
-    # as FMAs
+    # bf16p and bf16x3 run there on vdpbf16ps / AMX tiles (compared with a tolerance below), on
+    # the others as FMAs
     fma = [isa for isa in ISAS if isa != "generic" and not (
-        storage == "bf16p" and isa in packed.NATIVE_BF16_ISAS)]
+        storage in packed.PAIR_STORAGES and isa in packed.NATIVE_BF16_ISAS)]
     if len(fma) < 2:
         pytest.skip("one FMA-capable ISA build on this CPU")
     torch.manual_seed(1)
@@ -279,20 +299,22 @@ NATIVE_BF16 = [isa for isa in packed.NATIVE_BF16_ISAS if isa in ISAS]
 
 @pytest.mark.skipif(not NATIVE_BF16, reason="no AVX512-BF16 on this CPU")
 @pytest.mark.parametrize("isa", NATIVE_BF16)
+@pytest.mark.parametrize("storage", packed.PAIR_STORAGES)
 @pytest.mark.parametrize("hidden, inter, tokens", [(256, 128, 64), (200, 72, 45)])
-def test_bf16_dot_instruction_matches_its_fma_emulation(isa, hidden, inter, tokens):
+def test_bf16_dot_instruction_matches_its_fma_emulation(isa, storage, hidden, inter, tokens):
     """vdpbf16ps (avx512bf16) and tdpbf16ps (amx) against the AVX-512 build's two FMAs per
     pair: the same to within the instructions' own rounding of their sums (an ulp or so of
     the fp32 sums). 200 x 72: k/2 is not a multiple of AMX's 16 pairs, so the amx build adds
-    the last pairs after its tiles; 45 rows: two row tiles, the second partial."""
+    the last pairs after its tiles; 45 rows: two row tiles, the second partial. bf16x3: the
+    three terms of each pair in turn."""
     torch.manual_seed(2)
-    _, _, experts = _experts(4, hidden, inter, "bf16p")
+    _, _, experts = _experts(4, hidden, inter, storage)
     h, wts = torch.randn(tokens, hidden), torch.rand(tokens, 2)
     idx = torch.randint(0, 4, (tokens, 2))
     dot = packed.packed_moe_ffn(experts, h, wts, idx, isa=isa)
     fma = packed.packed_moe_ffn(experts, h, wts, idx, isa="avx512")
     assert (dot - fma).abs().max().item() <= 1e-6 * fma.abs().max().item() + 1e-7
-    lin = packed.pack_linear(torch.randn(40, hidden) * 0.1, "bf16p")
+    lin = packed.pack_linear(torch.randn(40, hidden) * 0.1, storage)
     assert torch.allclose(packed.packed_linear(h, lin, isa=isa),
                           packed.packed_linear(h, lin, isa="avx512"), rtol=0, atol=1e-5)
 
@@ -300,9 +322,11 @@ def test_bf16_dot_instruction_matches_its_fma_emulation(isa, hidden, inter, toke
 def test_experts_that_mix_bf16_pairs_with_fp32_rows_are_refused():
     _, _, pairs = _experts(2, 32, 32, "bf16p")
     _, _, rows = _experts(2, 32, 32, "bf16")
-    with pytest.raises(ValueError, match="mix bf16p"):
-        packed.packed_moe_ffn([pairs[0], rows[1]], torch.randn(2, 32), torch.ones(2, 1),
-                              torch.tensor([[0], [1]]))
+    _, _, terms = _experts(2, 32, 32, "bf16x3")
+    for a, b in ((pairs[0], rows[1]), (terms[0], rows[1]), (terms[0], pairs[1])):
+        with pytest.raises(ValueError, match="mix bf16p or bf16x3"):
+            packed.packed_moe_ffn([a, b], torch.randn(2, 32), torch.ones(2, 1),
+                                  torch.tensor([[0], [1]]))
 
 
 def test_bf16p_experts_need_even_sizes():

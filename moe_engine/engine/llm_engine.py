@@ -83,15 +83,20 @@ class LLMEngine:
                 (self.spec.expert_storage or storage) if experts is ExpertDType.auto
                 else experts.value, precision)
             self.weight_storage = precision_storage(storage, precision)
-            medium_held = packed.PAIR_STORAGE in (self.weight_storage, self.expert_storage)
-            if precision == "medium" and not medium_held:
-                log.warning("engine.matmul_precision=medium changes nothing here: weights %s, "
-                            "experts %s (medium applies to bf16 and fp32 weights)",
-                            self.weight_storage, self.expert_storage)
-            elif medium_held and packed.ISA not in packed.NATIVE_BF16_ISAS:
+            held = {self.weight_storage, self.expert_storage} & set(packed.PAIR_STORAGES)
+            if precision != "highest" and not held:
+                log.warning("engine.matmul_precision=%s changes nothing here: weights %s, "
+                            "experts %s (medium applies to bf16 and fp32 weights, high to bf16)",
+                            precision, self.weight_storage, self.expert_storage)
+            elif packed.PAIR_STORAGE in held and packed.ISA not in packed.NATIVE_BF16_ISAS:
                 log.warning("engine.matmul_precision=medium on the %s kernel build, which has "
                             "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
                             "results, no faster than highest)", packed.ISA)
+            elif packed.BF16X3_STORAGE in held and packed.ISA not in packed.TILE_ISAS:
+                log.warning("engine.matmul_precision=high on the %s kernel build, which has no "
+                            "AMX tiles: its three bf16 terms a product run as fp32 FMAs, ~3x "
+                            "highest's work for the same precision (use highest here)",
+                            packed.ISA)
             weights = packed.pack_model(weights, self.weight_storage, self.expert_storage)
         elif self.spec.expert_storage is not None:
             log.warning("%s experts widened to %s in memory: torch's GEMMs (engine.gemm=torch or "
@@ -413,9 +418,9 @@ def _gemm_impl(config: EngineConfig) -> str:
         return "torch"
     if not packed.HAS_PACKED_KERNELS:
         if (gemm is GemmImpl.packed or ExpertDType(config.expert_dtype).quantized
-                or MatmulPrecision(config.matmul_precision) is MatmulPrecision.medium):
+                or MatmulPrecision(config.matmul_precision) is not MatmulPrecision.highest):
             raise RuntimeError("engine.gemm=packed (or quantized experts, or "
-                               "engine.matmul_precision=medium) needs the packed CPU kernels, "
+                               "engine.matmul_precision medium or high) needs the packed CPU kernels, "
                                "which are not built (python setup.py build_ext --inplace)")
         return "torch"
     return "packed"

@@ -28,7 +28,7 @@ import torch
 
 from moe_engine.model import mxfp4
 from moe_engine.model.kernel_import import import_kernel
-from moe_engine.model.spec import PAIR_STORAGE
+from moe_engine.model.spec import BF16X3_STORAGE, PAIR_STORAGE
 from moe_engine.model.weights import ExpertWeights, LayerWeights, MlaWeights, ModelWeights
 
 # None when not built: the engine keeps torch's GEMMs
@@ -37,20 +37,27 @@ _ext = import_kernel("moe_engine._kernels.packed_gemm")
 HAS_PACKED_KERNELS: bool = _ext is not None
 NR = 32  # output columns per panel (moe_isa.h MOE_NR)
 I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP); MXFP4's blocks are as wide
-STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p")
+STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p", "bf16x3")
 NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 32 inputs
 # PAIR_STORAGE (bf16p): bf16 weights whose GEMMs round the activations to bf16
 # (engine.matmul_precision=medium): k in pairs, one 32-bit word a column and pair, so
 # AVX512-BF16's vdpbf16ps does two multiply-adds a lane and AMX's tdpbf16ps takes the panels
 # as they are; other CPUs compute the same products in fp32 FMAs
+# BF16X3_STORAGE (bf16x3): the same panels, as uint32 words (the dtype tells the kernels the
+# storage), whose GEMMs split each activation into three bf16 terms summing to it exactly:
+# fp32 results at 3x bf16p's multiply-adds, which AMX tiles still do faster than fp32 FMAs
+PAIR_STORAGES = (PAIR_STORAGE, BF16X3_STORAGE)
 # ISA builds that multiply bf16 pairs natively (elsewhere bf16p is emulated: no faster)
 NATIVE_BF16_ISAS = ("avx512bf16", "amx")
+# ISA builds that run bf16p and bf16x3 on AMX tiles (bf16x3 pays only there)
+TILE_ISAS = ("amx",)
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                   "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
-                  "bf16p": torch.bfloat16}
+                  "bf16p": torch.bfloat16, "bf16x3": torch.bfloat16}
 _CODES = ({"fp32": _ext.W_F32, "bf16": _ext.W_BF16, "fp16": _ext.W_F16, "int8": _ext.W_I8,
-           "int4": _ext.W_I4, "mxfp4": _ext.W_FP4, "bf16p": _ext.W_BF16P}
+           "int4": _ext.W_I4, "mxfp4": _ext.W_FP4, "bf16p": _ext.W_BF16P,
+           "bf16x3": _ext.W_BF16X3}
           if _ext is not None else {})
 _ISA_CODES = {name: code for code, name in _ext.ISA_NAMES.items()} if _ext is not None else {}
 
@@ -111,7 +118,7 @@ def _quantize(w: torch.Tensor, storage: str) -> tuple[torch.Tensor, Optional[tor
     """Row-major [n, k] weight in its storage dtype plus scales (per output row for int8, per
     row and group of 32 inputs for int4 and mxfp4), symmetric, from the fp32 values; int4 and
     mxfp4 give one code a byte."""
-    if storage in ("fp32", "bf16", "fp16", PAIR_STORAGE):
+    if storage in ("fp32", "bf16", "fp16") + PAIR_STORAGES:
         return w.to(_TORCH_STORAGE[storage]), None
     if storage == "mxfp4":
         return mxfp4.quantize(w)
@@ -148,12 +155,13 @@ def _panels(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
     elif storage in NIBBLE_STORAGE:
         lo, hi = panels[..., :16], panels[..., 16:]
         panels = lo | (hi << 4)  # [P, k, 16] bytes
-    elif storage == PAIR_STORAGE:
+    elif storage in PAIR_STORAGES:
         # word c of pair-row j = (W[32p + c, 2j], W[32p + c, 2j + 1]); an odd k gets a zero input
         if k % 2:
             panels = torch.cat([panels, panels.new_zeros(p, 1, NR)], dim=1)
         pairs = panels.reshape(p, -1, 2, NR).transpose(2, 3).contiguous()  # [P, k/2, 32, 2]
-        panels = pairs.view(torch.int32).reshape(p, -1, NR)
+        words = torch.int32 if storage == PAIR_STORAGE else torch.uint32
+        panels = pairs.view(words).reshape(p, -1, NR)
     if scale is not None and storage in NIBBLE_STORAGE:
         scale = scale.reshape(p, NR, k // I4_GROUP).transpose(1, 2)  # [P, k/32, 32]
     if scale is not None and storage != "mxfp4":  # MXFP4 keeps its E8M0 bytes
@@ -220,8 +228,8 @@ def pack_expert(mlp: ExpertWeights, storage: str) -> ExpertWeights:
     kept. Quantized storage scales each row as a whole, before the gate/up reorder. bf16p
     needs even H and I (a packed expert's shape says its pair-rows, not an odd k)."""
     rows = is_mxfp4_rows(mlp)
-    if storage == PAIR_STORAGE and (mlp.w2.shape[0] % 2 or mlp.w2.shape[1] % 2):
-        raise ValueError(f"bf16p experts need an even hidden and intermediate size, got "
+    if storage in PAIR_STORAGES and (mlp.w2.shape[0] % 2 or mlp.w2.shape[1] % 2):
+        raise ValueError(f"{storage} experts need an even hidden and intermediate size, got "
                          f"{tuple(mlp.w2.shape)}")
     q13, s13 = _quantized_rows(mlp.w13, mlp.s13, rows, storage)
     p13, s13 = _pack_rows(_gate_up_rows(q13), _gate_up_rows(s13) if s13 is not None else None,
@@ -291,12 +299,14 @@ def is_packed(expert: ExpertWeights) -> bool:
 def packed_inputs(panels: torch.Tensor) -> int:
     """The input size k of a packed expert projection [P, rows, 32|16]: its rows, or twice
     them for bf16p's pair-rows (an expert's k is even there, see pack_expert)."""
-    return panels.shape[1] * (2 if _storage_of(panels, None) == PAIR_STORAGE else 1)
+    return panels.shape[1] * (2 if _storage_of(panels, None) in PAIR_STORAGES else 1)
 
 
 def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
     if data.dtype == torch.int32:
         return PAIR_STORAGE
+    if data.dtype == torch.uint32:
+        return BF16X3_STORAGE
     if data.dtype == torch.uint8:
         return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "int4"
     if data.dtype == torch.int8:
@@ -391,7 +401,8 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
         raise ValueError(f"experts take {packed_inputs(present.w13)} features, h has {hidden}")
     idx = indices.to(torch.int64).contiguous()
     rw = weights.float().contiguous()
-    nwork, niwork = _ext.work_sizes(t, top_k, hidden, inter, len(experts))
+    nwork, niwork = _ext.work_sizes(t, top_k, hidden, inter, len(experts),
+                                    _CODES[_storage_of(present.w13, present.s13)])
     work = torch.empty(max(nwork, 1), dtype=torch.float32)
     iwork = torch.empty(max(niwork, 1), dtype=torch.int32)
     out = torch.empty(t, hidden, dtype=torch.float32)

@@ -31,7 +31,12 @@ _DTYPE_OF_WIDTH = {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}
 # bf16p (PAIR_STORAGE): bf16 weights in pairs for bf16 activations (engine.matmul_precision=
 # medium), another kernel path at 16 bits a weight, whatever the checkpoint's dtype
 PAIR_STORAGE = "bf16p"
-EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, PAIR_STORAGE: 16.0}
+# bf16x3: the same panels, whose GEMMs split each fp32 activation into three bf16 terms that
+# sum to it exactly, so the products add up to fp32 results (AMX tiles at 3x bf16p's work);
+# a kernel path of its own for the performance model
+BF16X3_STORAGE = "bf16x3"
+EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, PAIR_STORAGE: 16.0,
+                       BF16X3_STORAGE: 16.0}
 # The profiler's name for routed experts held in the model dtype, not in the checkpoint's own
 # storage (an MXFP4 checkpoint's experts, widened for torch's GEMMs): ModelSpec storage None
 MODEL_DTYPE_STORAGE = "dtype"
@@ -45,9 +50,15 @@ FLOAT_STORAGE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def precision_storage(storage: str, precision: str) -> str:
     """The packed storage of weights otherwise held in `storage` under engine.matmul_precision:
-    medium holds bf16 and fp32 weights as bf16 pairs (bf16 activations); fp16 and quantized
-    storage, and everything under highest, stay as they are."""
-    return PAIR_STORAGE if precision == "medium" and storage in ("bf16", "fp32") else storage
+    medium holds bf16 and fp32 weights as bf16 pairs (bf16 activations); high holds bf16
+    weights as bf16x3 (three bf16 activation terms; fp32 weights are not bf16s, so they keep
+    highest's path); fp16 and quantized storage, and everything under highest, stay as they
+    are."""
+    if precision == "medium" and storage in ("bf16", "fp32"):
+        return PAIR_STORAGE
+    if precision == "high" and storage == "bf16":
+        return BF16X3_STORAGE
+    return storage
 
 
 class UnsupportedModelError(UnsupportedArchitectureError):
@@ -248,9 +259,9 @@ class ModelSpec:
         if self.expert_storage is not None and self.expert_storage not in EXPERT_STORAGE_BITS:
             raise ValueError(f"expert storage {self.expert_storage!r}: expected one of "
                              f"{sorted(EXPERT_STORAGE_BITS)} or None")
-        if self.weight_storage not in (None, PAIR_STORAGE, TORCH_GEMM_STORAGE):
+        if self.weight_storage not in (None, PAIR_STORAGE, BF16X3_STORAGE, TORCH_GEMM_STORAGE):
             raise ValueError(f"weight storage {self.weight_storage!r}: expected "
-                             f"{PAIR_STORAGE!r}, {TORCH_GEMM_STORAGE!r} or None")
+                             f"{PAIR_STORAGE!r}, {BF16X3_STORAGE!r}, {TORCH_GEMM_STORAGE!r} or None")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.expert_activation!r}: expected one of "
                              f"{EXPERT_ACTIVATIONS}")

@@ -45,9 +45,10 @@ _TENSOR_ALIGN = 64  # each tensor of an expert starts on a cache line (vector lo
 # U8: MXFP4 codes and scales
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                        "U8": torch.uint8}
-# int32: bf16p's words of bf16 pairs (engine.matmul_precision=medium)
+# int32: bf16p's words of bf16 pairs (engine.matmul_precision=medium); uint32: bf16x3's (high)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32"}
+                torch.int8: "int8", torch.uint8: "uint8", torch.int32: "int32",
+                torch.uint32: "uint32"}
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 

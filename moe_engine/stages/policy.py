@@ -72,7 +72,8 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
     the model dtype), as LLMEngine decides it: a quantized engine.expert_dtype; with auto, the
     checkpoint's own (MXFP4) on the packed CPU kernels, widened on torch's GEMMs (engine.gemm=
     torch, a device backend); a float expert_dtype widens; and on the packed kernels under
-    engine.matmul_precision=medium, bf16 or fp32 experts become bf16 pairs (bf16p)."""
+    engine.matmul_precision=medium, bf16 or fp32 experts become bf16 pairs (bf16p), under
+    high bf16 experts become bf16x3."""
     choice = engine.expert_dtype
     if choice.quantized:
         return choice.value
@@ -88,7 +89,8 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
 def held_weight_storage(engine, model_dtype: str = "bfloat16") -> Optional[str]:
     """The storage the engine holds the dense projections and the LM head in when it is not
     `model_dtype` on the packed kernels (None), as LLMEngine decides it: bf16 pairs on the
-    packed CPU kernels under engine.matmul_precision=medium, for bf16 and fp32 models; the
+    packed CPU kernels under engine.matmul_precision=medium, for bf16 and fp32 models (bf16x3
+    under high, for bf16 models); the
     model dtype on torch's GEMMs (TORCH_GEMM_STORAGE) for engine.gemm=torch on the CPU, whose
     GEMMs and element-wise work (in the model dtype, not fp32) are another path to profile."""
     if engine.backend is DeviceKind.cpu and engine.gemm is GemmImpl.torch:

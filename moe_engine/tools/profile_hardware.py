@@ -35,7 +35,8 @@ from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir,
 from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, profile_mode_serves,
                                       total_memory_bytes)
-from moe_engine.model.spec import EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE, TORCH_GEMM_STORAGE
+from moe_engine.model.spec import (BF16X3_STORAGE, EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE,
+                                   TORCH_GEMM_STORAGE)
 from moe_engine.perf.specs import GB, ModelSpec, layer_layout
 from moe_engine.tools.profile_layer_ops import activation_dtype, kv_cache_dtype, on_packed_kernels
 from moe_engine.tools.timing import median_time, rotation_copies
@@ -535,12 +536,14 @@ def main(argv: list[str] | None = None) -> int:
                         choices=sorted(EXPERT_STORAGE_BITS) + [MODEL_DTYPE_STORAGE],
                         help="the storage the engine holds the routed experts in when it is not "
                              "the checkpoint's (engine.expert_dtype=int8/int4, matmul_precision="
-                             f"medium's bf16p; '{MODEL_DTYPE_STORAGE}': the model dtype, as an "
+                             f"medium's bf16p, high's bf16x3; '{MODEL_DTYPE_STORAGE}': the model dtype, as an "
                              "MXFP4 checkpoint's experts widened for torch's GEMMs): their call "
                              "is profiled in it")
-    parser.add_argument("--weight-storage", default=None, choices=[PAIR_STORAGE, TORCH_GEMM_STORAGE],
+    parser.add_argument("--weight-storage", default=None,
+                        choices=[PAIR_STORAGE, BF16X3_STORAGE, TORCH_GEMM_STORAGE],
                         help="the storage the engine holds the dense projections and the LM head "
-                             "in when it is not the dtype's (matmul_precision=medium's bf16p; "
+                             "in when it is not the dtype's (matmul_precision=medium's bf16p, "
+                             "high's bf16x3; "
                              f"'{TORCH_GEMM_STORAGE}': the whole model on torch's GEMMs in its "
                              "dtype, engine.gemm=torch): their GEMMs, and for torch the layer's "
                              "other work, are profiled so")
