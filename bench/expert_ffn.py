@@ -4,13 +4,15 @@ One SwiGLU expert (gate|up GEMM, SiLU x up, down GEMM, routing-weighted output) 
 small-mixtral's expert shape (H 1024, I 3584) and Mixtral-8x7B's (H 4096, I 14336), or
 GPT-OSS's (H = I = 2880; `--shapes gpt-oss --storage mxfp4`: its experts as released):
   kernel      moe_engine.model.packed.packed_moe_ffn, weights bf16 (--storage), fp32 activations
-              (--storage bf16p: bf16 pairs and bf16 activations, engine.matmul_precision=medium)
+              (--storage bf16p: bf16 pairs and bf16 activations, engine.matmul_precision=medium;
+              --storage bf16x3: the same pairs, each activation as three bf16 terms, high)
   torch fp32  F.linear on fp32 weights (2x the memory of the checkpoint)
   torch bf16  F.linear on the bf16 weights (what a bf16 checkpoint runs through torch)
 Each call reads its weights from DRAM as the engine does (copies rotated until they exceed the
 last-level cache twice over). The machine's roofs are measured in the same run: read bandwidth
 (a streaming sum) and the FMA peak (a register-blocked FMA loop in the kernels' chosen ISA; for
-bf16p the bf16 pair dot-product peak, vdpbf16ps where the CPU has it, is the compute roof).
+bf16p the bf16 pair dot-product peak, vdpbf16ps where the CPU has it, is the compute roof;
+for bf16x3 a third of it, three products a weight).
 Medians of --repeats calls.
 
   .venv/bin/python bench/expert_ffn.py                      # ~5 minutes on 2 cores
@@ -108,7 +110,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024")
     ap.add_argument("--shapes", default="small-mixtral,mixtral-8x7b")
-    ap.add_argument("--storage", default="bf16", help="kernel weight storage: bf16|fp32|fp16|int8|int4|mxfp4|bf16p")
+    ap.add_argument("--storage", default="bf16", help="kernel weight storage: bf16|fp32|fp16|int8|int4|mxfp4|bf16p|bf16x3")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--bf16-flops-limit", type=float, default=4e11,
                     help="skip torch bf16 above this many FLOPs per call (it runs at ~15 GFLOP/s "
@@ -121,9 +123,12 @@ def main() -> None:
     bw = machine_info.read_bandwidth_gbps(args.threads)
     peak = machine_info.fma_peak_gflops(args.threads)
     roof = f"FMA peak {peak:.0f} GFLOP/s"
-    if args.storage == packed.PAIR_STORAGE:  # its compute roof is the dot product's
+    if args.storage in packed.PAIR_STORAGES:  # its compute roof is the dot product's
         peak = machine_info.fma_peak_gflops(args.threads, kind="bf16_dot")
         roof += f", bf16 dot-product peak {peak:.0f} GFLOP/s"
+        if args.storage == packed.BF16X3_STORAGE:  # three products a weight
+            peak /= 3
+            roof += f" (bf16x3: a third, {peak:.0f})"
     print(f"# roofs: read {bw:.1f} GB/s, {roof}; kernel storage {args.storage}, ISA "
           f"{packed.ISA}", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
