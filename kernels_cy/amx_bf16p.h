@@ -56,6 +56,52 @@ static inline void amx_tiles_begin(void) {
  * carry 8 KB of tiles between calls. */
 static inline void amx_tiles_end(void) { _tile_release(); }
 
+/* Zeroes the accumulators of one row tile (0-1) or two (0-3). */
+static inline void amx_zero_acc(int two) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+}
+
+/* The end of a tile call: the accumulators stored, the pairs past the last whole step
+ * (whole of k2) added by vdpbf16ps, in order, each pair's `terms` planes (ldt words apart) in
+ * turn, and the rows through the epilogue. */
+static inline void amx_finish(int m, const float *x, int64_t ldx, int64_t ldt, int terms,
+                              int64_t k2, int64_t whole, const char *panel, const epilogue *ep,
+                              int row0) {
+    float c[AMX_ROWS][32];
+    _tile_stored(0, &c[0][0], 128);
+    _tile_stored(1, &c[0][16], 128);
+    if (m > 16) {
+        _tile_stored(2, &c[16][0], 128);
+        _tile_stored(3, &c[16][16], 128);
+    }
+    for (int r0 = 0; r0 < m; r0 += MR) {
+        const int mm = m - r0 < MR ? m - r0 : MR;
+        vf acc[MR][2];
+        for (int r = 0; r < mm; r++) {
+            acc[r][0] = ldf(c[r0 + r]);
+            acc[r][1] = ldf(c[r0 + r] + 16);
+        }
+        for (int64_t j = whole; j < k2; j++) {
+            const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
+            const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
+            for (int r = 0; r < mm; r++)
+                for (int t = 0; t < terms; t++) {
+                    int32_t w;
+                    memcpy(&w, x + (r0 + r) * ldx + t * ldt + j, sizeof w);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
+                    acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
+                    acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
+                }
+        }
+        apply_epilogue(mm, acc, 0, ep, row0 + r0);
+    }
+}
+
 /* The bf16p tile function of the amx build (tile_fn): m <= AMX_ROWS rows of bf16 pair words
  * (row stride ldx words) against one panel, through the epilogue. */
 static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
@@ -64,12 +110,7 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
     const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx;
     const char *xa = (const char *)x;
     const int two = m > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
+    amx_zero_acc(two);
     /* A tile load waits for all its 16 lines, so lines are asked for ahead of their step: the
      * panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first row tile, a
      * decode step's only one, and from L2 for the others), the activations' (from L2)
@@ -98,56 +139,24 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    float c[AMX_ROWS][32];
-    _tile_stored(0, &c[0][0], 128);
-    _tile_stored(1, &c[0][16], 128);
-    if (two) {
-        _tile_stored(2, &c[16][0], 128);
-        _tile_stored(3, &c[16][16], 128);
-    }
-    for (int r0 = 0; r0 < m; r0 += MR) {
-        const int mm = m - r0 < MR ? m - r0 : MR;
-        vf acc[MR][2];
-        for (int r = 0; r < mm; r++) {
-            acc[r][0] = ldf(c[r0 + r]);
-            acc[r][1] = ldf(c[r0 + r] + 16);
-        }
-        for (int64_t j = whole; j < k2; j++) {
-            const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
-            const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
-            for (int r = 0; r < mm; r++) {
-                int32_t w;
-                memcpy(&w, x + (r0 + r) * ldx + j, sizeof w);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
-                acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
-                acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
-            }
-        }
-        apply_epilogue(mm, acc, 0, ep, row0 + r0);
-    }
+    amx_finish(m, x, ldx, 0, 1, k2, whole, panel, ep, row0);
 }
 
 /* The bf16x3 tile function of the amx build: as tile_bf16p_amx, with each activation tile
  * loaded three times, once per term plane (ldx / 3 words apart in a row), and multiplied by the
  * same weight tiles: per step of 16 pairs, the hi, lo and lo2 terms in that order into the same
  * accumulators. Two row tiles take 6 activation loads and 2 weight loads for 12 tdpbf16ps (4 +
- * 4 for bf16p's 4), so the tiles wait less on loads. The pairs past the last whole step go
- * through vdpbf16ps, term by term in the same order. */
+ * 4 for bf16p's 4), so the tiles wait less on loads. */
 static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
                             const void *gscale, const epilogue *ep, int row0) {
     (void)gscale;
     const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx, ldt = ldx / 3;
     const char *xa = (const char *)x;
     const int two = m > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
+    amx_zero_acc(two);
     const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
     for (int64_t j = 0; j < whole; j += 16) {
-        if (j < fetch) {
+        if (j < fetch) { /* as tile_bf16p_amx's, the activations' in each plane */
             const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
             for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
         }
@@ -159,57 +168,26 @@ static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const
             }
         _tile_loadd(6, panel + j * 128, 128);
         _tile_loadd(7, panel + j * 128 + 64, 128);
-        /* tiles 4 and 5 alternate, so a load need not wait for the products of the last */
-        _tile_loadd(4, xa + 4 * j, stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, xa + 4 * (ldt + j), stride);
-        _tile_dpbf16ps(0, 5, 6);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_loadd(4, xa + 4 * (2 * ldt + j), stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
+        /* one row tile's three planes into accumulators C0, C1 against the weight tiles 6, 7;
+         * activation tiles TA and TB alternate, so a load need not wait for the products of
+         * the last (tile numbers are instruction operands: a macro, not a function) */
+#define AMX_X3_ROW_TILE(C0, C1, TA, TB, XR)                 \
+    _tile_loadd(TA, (XR) + 4 * j, stride);                  \
+    _tile_dpbf16ps(C0, TA, 6);                              \
+    _tile_dpbf16ps(C1, TA, 7);                              \
+    _tile_loadd(TB, (XR) + 4 * (ldt + j), stride);          \
+    _tile_dpbf16ps(C0, TB, 6);                              \
+    _tile_dpbf16ps(C1, TB, 7);                              \
+    _tile_loadd(TA, (XR) + 4 * (2 * ldt + j), stride);      \
+    _tile_dpbf16ps(C0, TA, 6);                              \
+    _tile_dpbf16ps(C1, TA, 7);
+        AMX_X3_ROW_TILE(0, 1, 4, 5, xa)
         if (two) {
-            const char *xb = xa + 16 * stride;
-            _tile_loadd(5, xb + 4 * j, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-            _tile_loadd(4, xb + 4 * (ldt + j), stride);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_dpbf16ps(3, 4, 7);
-            _tile_loadd(5, xb + 4 * (2 * ldt + j), stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            AMX_X3_ROW_TILE(2, 3, 5, 4, xa + 16 * stride)
         }
+#undef AMX_X3_ROW_TILE
     }
-    float c[AMX_ROWS][32];
-    _tile_stored(0, &c[0][0], 128);
-    _tile_stored(1, &c[0][16], 128);
-    if (two) {
-        _tile_stored(2, &c[16][0], 128);
-        _tile_stored(3, &c[16][16], 128);
-    }
-    for (int r0 = 0; r0 < m; r0 += MR) {
-        const int mm = m - r0 < MR ? m - r0 : MR;
-        vf acc[MR][2];
-        for (int r = 0; r < mm; r++) {
-            acc[r][0] = ldf(c[r0 + r]);
-            acc[r][1] = ldf(c[r0 + r] + 16);
-        }
-        for (int64_t j = whole; j < k2; j++) {
-            const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
-            const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
-            for (int r = 0; r < mm; r++)
-                for (int t = 0; t < 3; t++) {
-                    int32_t w;
-                    memcpy(&w, x + (r0 + r) * ldx + t * ldt + j, sizeof w);
-                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
-                    acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
-                    acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
-                }
-        }
-        apply_epilogue(mm, acc, 0, ep, row0 + r0);
-    }
+    amx_finish(m, x, ldx, ldt, 3, k2, whole, panel, ep, row0);
 }
 
 /* The bf16 dot-product probe on tiles: n iterations of four independent tdpbf16ps per thread
