@@ -10,6 +10,7 @@ Profile and engine run in the same process: the machine is profiled before the r
 after it, and the prediction is the mean of the two (the shared VM's load drifts between runs).
 
     .venv/bin/python bench/model_accuracy.py [--requests 64] [--gen 32] [--fast-profile] [--cached-profile]
+        [--matmul-precision high]   # the storage it holds the weights in is profiled and priced
 
 Last line: RESULT predicted_tok_s=<x> measured_tok_s=<y> accuracy=<1-|x-y|/y>
 """
@@ -50,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="threads for the profiler and the engine (0 = all cores); on a loaded VM, 1 "
                          "avoids OpenMP barriers waiting on a descheduled thread")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--matmul-precision", default="highest", choices=("highest", "high", "medium"),
+                    help="engine.matmul_precision: the model is profiled and priced in the "
+                         "storage the engine then holds its weights in, as the policy stage does")
     args = ap.parse_args(argv)
 
     from moe_engine.tools.checkpoints import PRESETS, ensure_builtin
-    from moe_engine.config import EngineConfig
+    from moe_engine.config import EngineConfig, MatmulPrecision
+    from moe_engine.stages.policy import held_expert_storage, held_weight_storage
     from moe_engine.engine.llm_engine import LLMEngine
     from moe_engine.perf import ModelSpec, apply_policy, choose_policy, workload_spec_from_lengths
     from moe_engine.io import hardware_cache_dir
@@ -63,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = ensure_builtin(args.model, args.resources)
     model = ModelSpec.from_hf_config(model_dir, name=args.model)
+    base_cfg = EngineConfig(threads=args.threads,
+                            matmul_precision=MatmulPrecision(args.matmul_precision))
+    model = (model.with_expert_storage(held_expert_storage(base_cfg, model.expert_storage,
+                                                           model.torch_dtype))
+             .with_weight_storage(held_weight_storage(base_cfg, model.torch_dtype)))
 
     vocab = PRESETS[args.model].tokenizer_vocab_size
     prompts = benchmark_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
@@ -77,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             profile = profile_machine([model], fast=args.fast_profile, threads=args.threads)
             if not args.threads:
                 write_profile(profile, cache)
-        result = choose_policy(model, spec_from_figures(profile), wl, backend="cpu")
+        result = choose_policy(model, spec_from_figures(profile, model.weight_storage), wl,
+                               backend="cpu")
         print(f"profile {label}: {time.perf_counter() - t0:.1f} s; read {profile['cpu_bw_gbps']} GB/s, GEMM peak "
               f"{profile['device_tflops'] * 1e3:.0f} GFLOP/s, attention {profile['cpu_attention_gbps']} GB/s "
               f"({profile['attention_kernel']}), op overhead {profile['op_overhead_us']} us -> predicted "
@@ -86,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = measure_and_predict("before")
     pj = result.to_json()
-    engine_cfg = apply_policy(EngineConfig(threads=args.threads), result)
+    engine_cfg = apply_policy(base_cfg, result)
     pol = pj["policy"]
     print(f"policy: N={pol['batch_size']} mu={pol['micro_batch_size']} micro-batches={pol['num_micro_batches']} "
           f"kv={engine_cfg.kv_cache_gb} GB prefill_tokens={pol['prefill_tokens']}; search {pj['search']['seconds']:.3f} s; "
