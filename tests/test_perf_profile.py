@@ -427,3 +427,8 @@ def test_ensure_measures_a_fast_profile_again_when_a_full_one_is_asked(tiny, tin
     assert ensure_profile(path, model=tiny)["mode"] == "full" and asked == [False]
     assert yaml.safe_load(path.read_text())["mode"] == "full"
     assert ensure_profile(path, model=tiny)["mode"] == "full" and asked == [False]
+    # a full profile extended by a fast run (a model it lacks) holds fast figures from then on:
+    # it says so, and the next full run measures it anew
+    other = tiny.with_weight_storage("bf16x3")
+    assert ensure_profile(path, model=other, fast=True)["mode"] == "fast" and asked[1:] == [True]
+    assert ensure_profile(path, model=other)["mode"] == "full" and asked[2:] == [False]

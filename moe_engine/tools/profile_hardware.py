@@ -481,6 +481,8 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
         for key in LAYOUT_KEYS:
             data[key] = ([r for r in data.get(key) or () if r["layout"] not in layouts]
                          + [r for r in measured[key] if r["layout"] in layouts])
+        if fast:  # it now holds fast figures: a full run measures it anew (profile_mode_serves)
+            data["mode"] = "fast"
     else:
         if not models:
             models = [_default_model()]
