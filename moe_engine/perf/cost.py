@@ -501,11 +501,11 @@ def batch_occupancy(gen_lengths: tuple[int, ...], max_batch: int) -> tuple[Occup
 
 def _bounded_decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec,
                          cpu_backend: bool) -> tuple[float, StepTimes]:
-    """Decode seconds of a bounded run (K requests, per-request generation lengths), summed
-    over its occupancy buckets; returns the time and the fullest bucket's step breakdown."""
-    gens = wl.gen_lengths or (wl.gen_len,) * wl.num_requests
+    """Decode seconds of a bounded run (K requests with per-request generation lengths,
+    wl.gen_lengths; `predict` calls it only then), summed over its occupancy buckets; returns
+    the time and the fullest bucket's step breakdown."""
     total, full = 0.0, None
-    for b in batch_occupancy(tuple(gens), policy.batch_size):
+    for b in batch_occupancy(tuple(wl.gen_lengths), policy.batch_size):
         step = decode_step_times(m, hw, policy, b.batch, wl.mean_prompt + 1.0 + b.mean_age,
                                  cpu_backend)
         total += b.steps * step.total
