@@ -584,6 +584,11 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
           *slots = act + (rows + MOE_PAD_ROWS) * ldi;
     const int parallel = nthreads > 1 && rows * H * I >= SMALL_WORK;
     const int bf16p = pairs13 > 0 || pairs2 > 0;
+    if (bf16p) { /* the spare rows AMX tiles read past the last expert's: zeros, not whatever
+                  * the caller's scratch held (their products are never stored either way) */
+        memset(xg + rows * ldh, 0, sizeof(float) * (size_t)(MOE_PAD_ROWS * ldh));
+        memset(act + rows * ldi, 0, sizeof(float) * (size_t)(MOE_PAD_ROWS * ldi));
+    }
     /* bf16x3: the SwiGLU outputs go to fp32 rows of their own (the planes of a row would
      * overwrite its values before they are read), then are split into act's planes */
     const int64_t ld32 = pairs2 == 3 ? moe_row_stride(I) : ldi;
