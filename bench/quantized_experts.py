@@ -1,12 +1,14 @@
-"""Benchmark (issues 12, 15): what int8, int4 and MXFP4 experts, and medium matmul precision,
-cost in accuracy against bf16.
+"""Benchmark (issues 12, 15): what int8, int4 and MXFP4 experts, and medium and high matmul
+precision, cost in accuracy against bf16.
 
 small-mixtral (bf16 checkpoint, random weights) over the bundled corpus (data/sample_prompts.jsonl,
 chat rows through the chat template): every prompt's first-token logits with experts in bf16
 (the reference), int8 (per output channel), int4 (per group of 32 inputs) and MXFP4 (E2M1
 values, a power-of-two scale per 32 inputs: GPT-OSS's released format), everything else
 identical (dense weights bf16, fp32 activations and KV); and "medium" (engine.matmul_precision=
-medium: every GEMM's activations rounded to bf16, weights as bf16 pairs, experts bf16). Reported
+medium: every GEMM's activations rounded to bf16, weights as bf16 pairs, experts bf16) and
+"high" (bf16x3: every GEMM's activations as three bf16 terms summing to them exactly; expected
+to differ from the reference by fp32 rounding only). Reported
 per variant:
   max_abs     the largest |logit difference| over all prompts and the vocabulary
   kl          mean KL(softmax(bf16) || softmax(quantized)) over prompts, in nats
@@ -21,7 +23,7 @@ logit margins, so more of their greedy choices survive the same weight error.
 
 The last line printed is:
   RESULT int8_top1=<x> int8_kl=<y> int4_top1=<z> int4_kl=<w> mxfp4_top1=<u> mxfp4_kl=<v>
-         medium_top1=<a> medium_kl=<b>
+         medium_top1=<a> medium_kl=<b> high_top1=<c> high_kl=<d>
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ from moe_engine.tools import machine_info  # noqa: E402
 
 # variant -> (engine.expert_dtype, engine.matmul_precision)
 VARIANTS = {"int8": ("int8", "highest"), "int4": ("int4", "highest"),
-            "mxfp4": ("mxfp4", "highest"), "medium": ("bf16", "medium")}
+            "mxfp4": ("mxfp4", "highest"), "medium": ("bf16", "medium"),
+            "high": ("bf16", "high")}
 
 
 def corpus_requests(n: int, new_tokens: int) -> list[Request]:
