@@ -145,8 +145,8 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
 /* The bf16x3 tile function of the amx build: as tile_bf16p_amx, with each activation tile
  * loaded three times, once per term plane (ldx / 3 words apart in a row), and multiplied by the
  * same weight tiles: per step of 16 pairs, the hi, lo and lo2 terms in that order into the same
- * accumulators. Two row tiles take 6 activation loads and 2 weight loads for 12 tdpbf16ps (4 +
- * 4 for bf16p's 4), so the tiles wait less on loads. */
+ * accumulators. Two row tiles take 6 activation loads and 2 weight loads for 12 tdpbf16ps
+ * (bf16p: 2 and 2 for 4), so the tiles wait less on loads. */
 static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
                             const void *gscale, const epilogue *ep, int row0) {
     (void)gscale;

@@ -97,10 +97,13 @@ def test_bf16x3_terms_sum_to_the_activation_exactly(isa):
     and in the emulation, for values that bf16 rounding would change and the largest finite
     float (which bf16 rounds to inf); inf and NaN pass as themselves. (Below 2^-110 the last
     terms are subnormal, which tdpbf16ps reads as zero.)"""
-    x = torch.tensor([[1 + 2 ** -8, 1 + 3 * 2 ** -23, -(1 + 2 ** -9 + 2 ** -20), 3.4028235e38,
-                       -2.5, 0.1, 2.0 ** -100 / 3, 1 / 3]])
-    y = packed.packed_linear(x, packed.pack_linear(torch.eye(x.shape[1]), "bf16x3"), isa=isa,
-                             threads=1)
+    values = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -23, -(1 + 2 ** -9 + 2 ** -20),
+                           3.4028235e38, -2.5, 0.1, 2.0 ** -100 / 3, 1 / 3])
+    # 72 inputs: two whole steps of 16 pairs on tiles, then the tail; the values at the start
+    # (tiles) and at the end (tail)
+    x = torch.randn(3, 72)
+    x[0, :8], x[1, -8:] = values, values
+    y = packed.packed_linear(x, packed.pack_linear(torch.eye(72), "bf16x3"), isa=isa, threads=1)
     assert torch.equal(y, x)
     one = packed.pack_linear(torch.ones(1, 1), "bf16x3")
     special = torch.tensor([[float("inf")], [float("-inf")], [float("nan")]])
@@ -327,6 +330,22 @@ def test_experts_that_mix_bf16_pairs_with_fp32_rows_are_refused():
         with pytest.raises(ValueError, match="mix bf16p or bf16x3"):
             packed.packed_moe_ffn([a, b], torch.randn(2, 32), torch.ones(2, 1),
                                   torch.tensor([[0], [1]]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_an_expert_whose_projections_take_different_activation_terms(isa):
+    """gate|up in bf16 (fp32 rows), down in bf16x3 (three planes a row): the scratch is sized
+    for the wider of the two (it was sized by gate|up alone) and the result is fp32's."""
+    from moe_engine.model.weights import ExpertWeights as EW
+
+    w13, w2, _ = _experts(3, 72, 40, "bf16")
+    mixed = [EW(packed.pack_expert(EW(a, b), "bf16").w13, packed.pack_expert(EW(a, b), "bf16x3").w2)
+             for a, b in zip(w13, w2)]
+    torch.manual_seed(3)
+    h, idx, wts = torch.randn(333, 72), torch.randint(0, 3, (333, 2)), torch.rand(333, 2)
+    out = packed.packed_moe_ffn(mixed, h, wts, idx, isa=isa, threads=2)
+    ref = _moe_reference(w13, w2, "bf16", h, wts, idx)
+    assert (out.double() - ref).abs().max().item() < tolerance("bf16")
 
 
 def test_bf16p_experts_need_even_sizes():

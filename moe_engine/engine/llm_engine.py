@@ -94,9 +94,9 @@ class LLMEngine:
                             "results, no faster than highest)", packed.ISA)
             elif packed.BF16X3_STORAGE in held and packed.ISA not in packed.TILE_ISAS:
                 log.warning("engine.matmul_precision=high on the %s kernel build, which has no "
-                            "AMX tiles: its three bf16 terms a product run as fp32 FMAs, ~3x "
-                            "highest's work for the same precision (use highest here)",
-                            packed.ISA)
+                            "AMX tiles: its three bf16 products a weight are emulated "
+                            "(vdpbf16ps or fp32 FMAs), 0.2-0.3x highest's speed for the same "
+                            "precision (use highest here)", packed.ISA)
             weights = packed.pack_model(weights, self.weight_storage, self.expert_storage)
         elif self.spec.expert_storage is not None:
             log.warning("%s experts widened to %s in memory: torch's GEMMs (engine.gemm=torch or "
