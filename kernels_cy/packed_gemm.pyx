@@ -59,9 +59,13 @@ def linear(uintptr_t x, int64_t ldx, int64_t T, uintptr_t w_data, uintptr_t w_sc
         raise MemoryError("linear: the activations' bf16 pairs could not be allocated")
 
 
-def work_sizes(int64_t T, int top_k, int64_t H, int64_t I, int num_experts, int dtype=MOE_W_F32):
-    """(floats, int32s) of scratch that moe_ffn needs for experts of storage code `dtype`."""
-    return (moe_ffn_work_floats(T, top_k, H, I, moe_pair_terms(dtype)),
+def work_sizes(int64_t T, int top_k, int64_t H, int64_t I, int num_experts,
+               int dtype13=MOE_W_F32, int dtype2=MOE_W_F32):
+    """(floats, int32s) of scratch that moe_ffn needs for experts whose gate|up and down have
+    storage codes dtype13 and dtype2: laid out, as the kernel does, for the wider of their
+    activation terms."""
+    return (moe_ffn_work_floats(T, top_k, H, I,
+                                max(moe_pair_terms(dtype13), moe_pair_terms(dtype2))),
             moe_ffn_iwork_ints(T, top_k, num_experts))
 
 

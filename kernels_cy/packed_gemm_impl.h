@@ -233,37 +233,38 @@ static inline __attribute__((always_inline)) void micro_kernel(
                                  * order) */
         const int terms = moe_pair_terms(dt);
         const int64_t ldt = ldx / 3;
-        for (int64_t jt = 0; jt < (K + 1) / 2 * terms; jt++) {
-            const int64_t j = jt / terms, xo = (jt - j * terms) * ldt + j;
-            const char *row = panel + j * rb;
+        for (int64_t j = 0; j < (K + 1) / 2; j++) {
+            const char *row = panel + j * rb; /* loaded once for all the pair's terms */
 #if VW == 16 && defined(__AVX512BF16__)
             const __m512bh a = (__m512bh)_mm512_loadu_si512(row + s * VW * 4);
             const __m512bh b = (__m512bh)_mm512_loadu_si512(row + (16 + s * VW) * 4);
-            for (int r = 0; r < M; r++) {
-                int32_t w;
-                memcpy(&w, x + r * ldx + xo, sizeof w);
-                const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
-                acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
-                acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
-            }
+            for (int t = 0; t < terms; t++)
+                for (int r = 0; r < M; r++) {
+                    int32_t w;
+                    memcpy(&w, x + r * ldx + t * ldt + j, sizeof w);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
+                    acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
+                    acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
+                }
 #else
             vf a_lo, a_hi, b_lo, b_hi; /* inputs 2j and 2j+1 of each column */
             cvt_bf16_halves(row + s * VW * 4, &a_lo, &a_hi);
             cvt_bf16_halves(row + (16 + s * VW) * 4, &b_lo, &b_hi);
-            for (int r = 0; r < M; r++) {
-                uint32_t w;
-                memcpy(&w, x + r * ldx + xo, sizeof w);
-                const uint32_t wl = w << 16, wh = w & 0xffff0000u;
-                float fl, fh;
-                memcpy(&fl, &wl, sizeof fl);
-                memcpy(&fh, &wh, sizeof fh);
-                const vf xl = bcast(fl), xh = bcast(fh);
-                /* products of bf16s are exact in fp32: FMA or not, each add rounds once */
-                acc[r][0] += a_hi * xh;
-                acc[r][0] += a_lo * xl;
-                acc[r][1] += b_hi * xh;
-                acc[r][1] += b_lo * xl;
-            }
+            for (int t = 0; t < terms; t++)
+                for (int r = 0; r < M; r++) {
+                    uint32_t w;
+                    memcpy(&w, x + r * ldx + t * ldt + j, sizeof w);
+                    const uint32_t wl = w << 16, wh = w & 0xffff0000u;
+                    float fl, fh;
+                    memcpy(&fl, &wl, sizeof fl);
+                    memcpy(&fh, &wh, sizeof fh);
+                    const vf xl = bcast(fl), xh = bcast(fh);
+                    /* products of bf16s are exact in fp32: FMA or not, each add rounds once */
+                    acc[r][0] += a_hi * xh;
+                    acc[r][0] += a_lo * xl;
+                    acc[r][1] += b_hi * xh;
+                    acc[r][1] += b_lo * xl;
+                }
 #endif
         }
         return;
@@ -628,13 +629,11 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             }
         }
 #pragma omp barrier
-        if (pairs2 == 1) { /* the activations as bf16 pairs, in place, row stride kept */
+        if (pairs2 > 0) { /* the activations as bf16 pairs (in place: act32 is act, row stride
+                           * kept) or bf16x3 planes (from act32's fp32 rows) */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < rows; i++)
-                bf16_pairs(act + i * ldi, I, act + i * ldi);
-        } else if (pairs2 == 3) { /* as bf16x3 planes */
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < rows; i++) to_terms(act32 + i * ld32, I, act + i * ldi, ldi, 3);
+                to_terms(act32 + i * ld32, I, act + i * ldi, ldi, pairs2);
         }
         /* down GEMM, each row weighted by its routing weight into its (token, slot) row */
         for (int e = 0; e < E; e++) {

@@ -401,11 +401,9 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
         raise ValueError(f"experts take {packed_inputs(present.w13)} features, h has {hidden}")
     idx = indices.to(torch.int64).contiguous()
     rw = weights.float().contiguous()
-    # sized for the projection whose activations take the most room (bf16x3's three planes)
-    codes = (_CODES[_storage_of(present.w13, present.s13)],
-             _CODES[_storage_of(present.w2, present.s2)])
     nwork, niwork = _ext.work_sizes(t, top_k, hidden, inter, len(experts),
-                                    _ext.W_BF16X3 if _ext.W_BF16X3 in codes else codes[0])
+                                    _CODES[_storage_of(present.w13, present.s13)],
+                                    _CODES[_storage_of(present.w2, present.s2)])
     work = torch.empty(max(nwork, 1), dtype=torch.float32)
     iwork = torch.empty(max(niwork, 1), dtype=torch.int32)
     out = torch.empty(t, hidden, dtype=torch.float32)
