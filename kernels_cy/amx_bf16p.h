@@ -56,8 +56,19 @@ static inline void amx_tiles_begin(void) {
  * carry 8 KB of tiles between calls. */
 static inline void amx_tiles_end(void) { _tile_release(); }
 
-/* Zeroes the accumulators of one row tile (0-1) or two (0-3). */
-static inline void amx_zero_acc(int two) {
+/* The accumulators of one row tile (0-1) or two (0-3): zero, or the raw sums the k-blocks
+ * before left in the item's part buffer (ep->resume; rows of MOE_NR floats). */
+static inline void amx_start_acc(int two, const epilogue *ep, int row0) {
+    if (ep->resume) {
+        const float *c = part_row(ep, row0);
+        _tile_loadd(0, c, 4 * MOE_NR);
+        _tile_loadd(1, c + 16, 4 * MOE_NR);
+        if (two) {
+            _tile_loadd(2, c + 16 * MOE_NR, 4 * MOE_NR);
+            _tile_loadd(3, c + 16 * MOE_NR + 16, 4 * MOE_NR);
+        }
+        return;
+    }
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
@@ -72,6 +83,16 @@ static inline void amx_zero_acc(int two) {
 static inline void amx_finish(int m, const float *x, int64_t ldx, int64_t ldt, int terms,
                               int64_t k2, int64_t whole, const char *panel, const epilogue *ep,
                               int row0) {
+    if (ep->defer) { /* a k-block before the last: whole steps only (KC), the raw sums kept */
+        float *c = part_row(ep, row0);
+        _tile_stored(0, c, 4 * MOE_NR);
+        _tile_stored(1, c + 16, 4 * MOE_NR);
+        if (m > 16) {
+            _tile_stored(2, c + 16 * MOE_NR, 4 * MOE_NR);
+            _tile_stored(3, c + 16 * MOE_NR + 16, 4 * MOE_NR);
+        }
+        return;
+    }
     float c[AMX_ROWS][32];
     _tile_stored(0, &c[0][0], 128);
     _tile_stored(1, &c[0][16], 128);
@@ -110,7 +131,7 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
     const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx;
     const char *xa = (const char *)x;
     const int two = m > 16;
-    amx_zero_acc(two);
+    amx_start_acc(two, ep, row0);
     /* A tile load waits for all its 16 lines, so lines are asked for ahead of their step: the
      * panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first row tile, a
      * decode step's only one, and from L2 for the others), the activations' (from L2)
@@ -153,7 +174,7 @@ static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const
     const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx, ldt = ldx / 3;
     const char *xa = (const char *)x;
     const int two = m > 16;
-    amx_zero_acc(two);
+    amx_start_acc(two, ep, row0);
     const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
     for (int64_t j = 0; j < whole; j += 16) {
         if (j < fetch) { /* as tile_bf16p_amx's, the activations' in each plane */

@@ -13,4 +13,5 @@ const moe_isa_ops MOE_OPS_NAME = {
     .probe_flops = probe_flops_impl,
     .decode_attention = decode_attention_impl,
     .read_sum = read_sum_impl,
+    .gemm_k_block = gemm_k_block_impl,
 };

@@ -120,7 +120,8 @@ typedef struct {
     /* y[t, :n] = act(x[t, :k] @ W^T (+ bias)) for t < T; x row stride ldx, y row stride ldy;
      * act is MOE_ACT_*, applied per element in scalar code (torch's vectorized sigmoid rounds
      * differently in a vector's tail, so a row's result would depend on its position).
-     * Returns 0, or -2 when the bf16 pairs of x (bf16p weights) could not be allocated. */
+     * Returns 0, or -2 when its scratch (the bf16 pairs of x for bf16p weights, the bias
+     * padded to whole panels) could not be allocated. */
     int (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
                    int act, float *y, int64_t ldy, int nthreads);
     /* Routed SwiGLU experts over T tokens with top_k choices each: out[t] = sum over s < top_k
@@ -148,6 +149,10 @@ typedef struct {
     int (*decode_attention)(const moe_attn_args *args, int nthreads);
     /* Read-bandwidth probe: sum of n floats (n a multiple of 65536) on nthreads threads. */
     double (*read_sum)(const float *p, int64_t n, int nthreads);
+    /* The inputs of the k-blocks in which linear and moe_ffn walk `rows` rows against weights
+     * of k inputs in storage dtype (k: walked whole); results do not depend on it. For tests
+     * and benchmarks. */
+    int64_t (*gemm_k_block)(int64_t rows, int64_t k, int dtype);
 } moe_isa_ops;
 
 extern const moe_isa_ops moe_ops_generic;

@@ -51,6 +51,7 @@ cdef extern from "moe_isa.h" nogil:
         int64_t (*probe_flops)(int kind) noexcept nogil
         int (*decode_attention)(const moe_attn_args *args, int nthreads) noexcept nogil
         double (*read_sum)(const float *p, int64_t n, int nthreads) noexcept nogil
+        int64_t (*gemm_k_block)(int64_t rows, int64_t k, int dtype) noexcept nogil
     int moe_pair_terms(int dtype)
     int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I, int terms)
     int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts)

@@ -56,7 +56,13 @@ def linear(uintptr_t x, int64_t ldx, int64_t T, uintptr_t w_data, uintptr_t w_sc
         rc = ops.linear(<const float *>x, ldx, T, &w, <const float *>bias, act, <float *>y, ldy,
                         nthreads)
     if rc != 0:
-        raise MemoryError("linear: the activations' bf16 pairs could not be allocated")
+        raise MemoryError("linear: scratch (bf16 pairs of the activations, padded bias) could not be allocated")
+
+
+def gemm_k_block(int64_t rows, int64_t k, int dtype, int isa):
+    """Inputs of the k-blocks in which ISA `isa` walks a GEMM of `rows` rows against weights
+    of k inputs in storage `dtype` (k: walked whole). Results do not depend on it."""
+    return isa_ops(isa).gemm_k_block(rows, k, dtype)
 
 
 def work_sizes(int64_t T, int top_k, int64_t H, int64_t I, int num_experts,

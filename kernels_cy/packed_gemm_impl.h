@@ -24,10 +24,10 @@
 
 #define MR MOE_MR
 #define NPASS (16 / VW)
-/* Token rows per work item, at least (item_rows): the weight panel stays in cache across an
+/* Token rows per work item, at least (plan_gemm): the weight panel stays in cache across an
  * item's row tiles, and the item's activations are re-read from cache once per panel. */
 #define TC 96
-/* Activation bytes an item may take (item_rows), and its most rows. 1 MB: the core's L2 is 1-2
+/* Activation bytes an item may take (plan_gemm), and its most rows. 1 MB: the core's L2 is 1-2
  * MB on the Xeons and EPYCs seen; 2 MB measured no better on AMX. */
 #define ITEM_BYTES (1 << 20)
 #define ITEM_ROWS_MAX (4 * TC)
@@ -191,13 +191,16 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
     }
 }
 
-/* acc[r][0..1] = sum over k of x[r, k] * (pass s columns of the panel), one FMA chain per
- * output in increasing k. */
+/* acc[r][0..1] = init[r] (zero when NULL) + sum over k of x[r, k] * (pass s columns of the
+ * panel), one FMA chain per output in increasing k. */
 static inline __attribute__((always_inline)) void micro_kernel(
     const int dt, const int M, const float *x, int64_t ldx, int64_t K, const char *panel,
-    const void *gscale, int s, vf acc[][2]) {
+    const void *gscale, int s, vf acc[][2], const float *init) {
     const int64_t rb = krow_bytes(dt);
-    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = (vf){0};
+    for (int r = 0; r < M; r++) { /* from zero, or from the sums of the k-blocks before */
+        acc[r][0] = init ? ldf(init + r * MOE_NR + s * VW) : (vf){0};
+        acc[r][1] = init ? ldf(init + r * MOE_NR + 16 + s * VW) : (vf){0};
+    }
     if (dt == MOE_W_I4 || dt == MOE_W_FP4) { /* both have groups of 32 (MOE_I4_GROUP) */
         for (int64_t g = 0; g < K; g += MOE_I4_GROUP) {
             vf sa, sb;
@@ -317,7 +320,18 @@ typedef struct {
     int64_t ldo;           /* output row stride */
     const int32_t *rows;   /* SCATTER: output row of each tile row */
     const float *weight;   /* SCATTER: routing weight by output row */
+    /* k-blocked items (run_item): the raw sums of the item's rows for this panel wait in part
+     * ([rows][MOE_NR], row 0 the item's row part_row0) between k-blocks */
+    float *part;
+    int64_t part_row0;
+    int resume;            /* the accumulators start from part (a later k-block), not zero */
+    int defer;             /* not the last k-block: the raw sums go to part, no epilogue */
 } epilogue;
+
+/* Row r of a tile starting at row0: its raw sums in the item's part buffer. */
+static inline float *part_row(const epilogue *ep, int row0) {
+    return ep->part + (int64_t)(row0 - ep->part_row0) * MOE_NR;
+}
 
 static inline vf ldpad(const float *p, int c) { return p ? ldf(p + c) : bcast(1.0f); }
 
@@ -335,6 +349,14 @@ static inline void store_cols(float *dst, int c0, vf v, int ncol) {
 static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf acc[][2], int s,
                                                                 const epilogue *ep, int row0) {
     const int ca = s * VW, cb = 16 + s * VW; /* panel columns of acc[r][0] and acc[r][1] */
+    if (ep->defer) {
+        float *dst = part_row(ep, row0);
+        for (int r = 0; r < M; r++) {
+            stf(dst + r * MOE_NR + ca, acc[r][0]);
+            stf(dst + r * MOE_NR + cb, acc[r][1]);
+        }
+        return;
+    }
     const vf sa = ldpad(ep->cscale, ca), sb = ldpad(ep->cscale, cb);
     for (int r = 0; r < M; r++) {
         vf a = ep->cscale ? acc[r][0] * sa : acc[r][0];
@@ -371,7 +393,8 @@ static inline __attribute__((always_inline)) void tile_m(const int dt, const int
                                                         int row0) {
     for (int s = 0; s < NPASS; s++) {
         vf acc[M][2];
-        micro_kernel(dt, M, x, ldx, K, panel, gscale, s, acc);
+        micro_kernel(dt, M, x, ldx, K, panel, gscale, s, acc,
+                     ep->resume ? part_row(ep, row0) : NULL);
         apply_epilogue(M, acc, s, ep, row0);
     }
 }
@@ -459,9 +482,10 @@ static inline const char *panel_ptr(const moe_packed *w, int64_t p) {
     return (const char *)w->data + p * panel_rows(w->dtype, w->k) * krow_bytes(w->dtype);
 }
 
-/* Group scales of panel p (i4: fp32, fp4: E8M0 bytes) or NULL. */
-static inline const void *panel_gscale(const moe_packed *w, int64_t p) {
-    const int64_t at = p * (w->k / MOE_I4_GROUP) * MOE_NR;
+/* Group scales of panel p (i4: fp32, fp4: E8M0 bytes) from input k0 on (a multiple of
+ * MOE_I4_GROUP), or NULL. */
+static inline const void *panel_gscale(const moe_packed *w, int64_t p, int64_t k0) {
+    const int64_t at = (p * (w->k / MOE_I4_GROUP) + k0 / MOE_I4_GROUP) * MOE_NR;
     if (w->dtype == MOE_W_I4) return (const float *)w->scale + at;
     if (w->dtype == MOE_W_FP4) return (const uint8_t *)w->scale + at;
     return NULL;
@@ -473,21 +497,75 @@ static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
 }
 
 static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
-/* Token rows of a work item for weights w: as many as ITEM_BYTES of the activations the tiles
- * read (fp32, or bf16 pairs for bf16p) allow, in whole row tiles (tile_rows), from TC to
- * ITEM_ROWS_MAX. The item is the unit that reads a weight panel from
- * memory (its later row tiles find it in cache), so long items read an expert's weights fewer
- * times; its activations, re-read once per panel, must stay in the core's L2. Work
- * partitioning only: each row's result is the same whatever the item size. */
-static inline int64_t item_rows(const moe_packed *w) {
-    /* fp32: 4 bytes an input; bf16 pairs 2; bf16x3's three planes of them 6 */
-    const int64_t row_bytes = (moe_pair_terms(w->dtype) ? 2 * moe_pair_terms(w->dtype) : 4) *
-                              (w->k > 1 ? w->k : 1);
-    const int64_t rows = ITEM_BYTES / row_bytes / tile_rows(w->dtype) * tile_rows(w->dtype);
-    return rows < TC ? TC : rows > ITEM_ROWS_MAX ? ITEM_ROWS_MAX : rows;
+
+/* Bytes of one activation input as the tiles read it: fp32 4, bf16 pairs 2, bf16x3's three
+ * planes of them 6. */
+static inline int64_t input_bytes(int dt) {
+    return moe_pair_terms(dt) ? 2 * moe_pair_terms(dt) : 4;
 }
 
-/* Rows [t0, t1) of an item against one panel, `mr` rows (tile_rows) at a time. */
+/* How a GEMM of `rows` activation rows against w is cut into work items, each rows [t0, t1)
+ * of a chunk against a group of panels [p0, p1).
+ *
+ * An item reads each of its panels from memory once (the later row tiles find it in cache)
+ * and its activations once per panel, so the activations must stay in the core's L2: up to
+ * ITEM_BYTES of them. When its rows (TC, or fewer in all) of k inputs overflow that
+ * (Mixtral-8x7B's down GEMM: 14336 inputs, 57 KB a row in fp32), the item walks k in blocks of
+ * KC instead: each block of
+ * its activations stays in L2 while it meets every panel of the group, and the raw sums wait
+ * in a buffer of the thread's (`part`, up to PART_BYTES) between blocks. A store and a load
+ * of an fp32 sum are exact and every sum keeps its order, so a row's result is bitwise the
+ * same whatever the blocking (and the item size): work partitioning only. */
+#define KC 512 /* inputs of a k-block: a multiple of 32 (i4 groups; 16 AMX pair steps) */
+#define PART_BYTES (256 << 10)
+typedef struct {
+    tile_fn tile_of;
+    int mr;            /* rows a tile call takes (tile_rows) */
+    int64_t kb;        /* inputs of a k-block: w->k when unblocked */
+    int64_t tc;        /* rows of an item */
+    int64_t group;     /* panels of an item */
+    int64_t pgroups;   /* panel groups */
+    int64_t items;
+} gemm_plan;
+
+static inline gemm_plan plan_gemm(const moe_packed *w, int64_t rows) {
+    gemm_plan g;
+    g.tile_of = tile_for(w->dtype);
+    g.mr = tile_rows(w->dtype);
+    const int64_t k = w->k > 1 ? w->k : 1, ib = input_bytes(w->dtype);
+    /* blocked when the item's rows (TC, or all when fewer) overflow ITEM_BYTES */
+    g.kb = k > KC && (rows < TC ? rows : TC) * ib * k > ITEM_BYTES ? KC : k;
+    int64_t tc = ITEM_BYTES / (ib * g.kb) / g.mr * g.mr;
+    g.tc = tc < TC ? TC : tc > ITEM_ROWS_MAX ? ITEM_ROWS_MAX : tc;
+    const int64_t P = num_panels(w), chunks = (rows + g.tc - 1) / g.tc;
+    /* the part buffer holds an item's rows (in whole tiles) for each panel of its group */
+    const int64_t per_panel = (g.tc + g.mr - 1) / g.mr * g.mr * MOE_NR * (int64_t)sizeof(float);
+    g.group = g.kb < k ? PART_BYTES / per_panel : 1;
+    g.group = g.group < 1 ? 1 : g.group > P ? P : g.group;
+    g.pgroups = (P + g.group - 1) / g.group;
+    g.items = g.pgroups * chunks;
+    return g;
+}
+
+/* moe_isa_ops.gemm_k_block: the k-block plan_gemm picks. */
+static int64_t gemm_k_block_impl(int64_t rows, int64_t k, int dtype) {
+    const moe_packed w = {.data = NULL, .scale = NULL, .n = MOE_NR, .k = k, .dtype = dtype};
+    return plan_gemm(&w, rows).kb;
+}
+
+/* Item `it` of plan g: panels [p0, p1) and rows [t0, t1) of `rows`. Consecutive items share
+ * their rows (a thread's next item finds them in cache). */
+static inline void plan_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int64_t it,
+                             int64_t *p0, int64_t *p1, int64_t *t0, int64_t *t1) {
+    const int64_t P = num_panels(w), c = it / g->pgroups;
+    *p0 = (it % g->pgroups) * g->group;
+    *p1 = *p0 + g->group < P ? *p0 + g->group : P;
+    *t0 = c * g->tc;
+    *t1 = (c + 1) * g->tc < rows ? (c + 1) * g->tc : rows;
+}
+
+/* Rows [t0, t1) of an item against one panel's inputs from k0 on, `mr` rows (tile_rows) at a
+ * time. */
 static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ldx, int64_t K,
                              const char *panel, const void *gscale, const epilogue *ep,
                              int64_t t0, int64_t t1) {
@@ -496,44 +574,83 @@ static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ld
                 (int)tb);
 }
 
+/* One work item of plan g: rows [t0, t1) of x (row stride ldx; fp32, or bf16 pair words)
+ * against panels [p0, p1) of w, each panel through `base` made its own (panel_epilogue). `out`
+ * advances `width` columns a panel and the biases (padded to whole panels) MOE_NR; `nout`
+ * columns are real. `part` is the thread's PART_BYTES buffer for k-blocked plans; NULL (no
+ * memory) walks k whole, with the same results. */
+static void run_item(const gemm_plan *g, const moe_packed *w, const float *x, int64_t ldx,
+                     const epilogue *base, int64_t width, int64_t nout, int64_t p0, int64_t p1,
+                     int64_t t0, int64_t t1, float *part) {
+    const int64_t K = w->k, rb = krow_bytes(w->dtype);
+    const int64_t kb = part ? g->kb : K, prows = (t1 - t0 + g->mr - 1) / g->mr * g->mr;
+    const int pairs = moe_pair_terms(w->dtype) > 0;
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t k1 = k0 + kb < K ? k0 + kb : K;
+        /* fp32 inputs one a float, bf16 pairs two a word (in each plane) */
+        const float *xk = x + (pairs ? k0 / 2 : k0);
+        for (int64_t p = p0; p < p1; p++) {
+            epilogue ep = *base;
+            ep.ncol = (int)(nout - p * width < width ? nout - p * width : width);
+            ep.cscale = panel_cscale(w, p);
+            ep.bias = base->bias ? base->bias + p * MOE_NR : NULL;
+            ep.out = base->out + p * width;
+            ep.part = part ? part + (p - p0) * prows * MOE_NR : NULL;
+            ep.part_row0 = t0;
+            ep.resume = k0 > 0;
+            ep.defer = k1 < K;
+            run_tiles(g->tile_of, g->mr, xk, ldx, k1 - k0,
+                      panel_ptr(w, p) + panel_rows(w->dtype, k0) * rb, panel_gscale(w, p, k0),
+                      &ep, t0, t1);
+        }
+    }
+}
+
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
-    const tile_fn tile_of = tile_for(w->dtype);
-    const int mr = tile_rows(w->dtype), terms = moe_pair_terms(w->dtype), bf16p = terms > 0;
-    const int64_t P = num_panels(w), tc = item_rows(w), chunks = (T + tc - 1) / tc,
-                  items = P * chunks;
+    const int terms = moe_pair_terms(w->dtype), bf16p = terms > 0;
+    const int64_t P = num_panels(w);
+    const gemm_plan g = plan_gemm(w, T);
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
     uint32_t *pairs = NULL;
+    float *padded_bias = NULL; /* whole panels of it: the epilogue loads MOE_NR at a time */
+    if (bias) {
+        padded_bias = (float *)calloc((size_t)(P * MOE_NR), sizeof(float));
+        if (!padded_bias) return -2;
+        memcpy(padded_bias, bias, sizeof(float) * (size_t)w->n);
+    }
     if (bf16p) { /* the rows as bf16 pairs (or bf16x3 planes), once for every panel,
                   * MOE_PAD_ROWS rows spare */
         const int64_t ldp = terms == 3 ? moe_act_stride(w->k, 3) : moe_row_stride((w->k + 1) / 2);
         pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)((T + MOE_PAD_ROWS) * ldp));
-        if (!pairs) return -2;
+        if (!pairs) {
+            free(padded_bias);
+            return -2;
+        }
         memset(pairs + T * ldp, 0, sizeof(uint32_t) * (size_t)(MOE_PAD_ROWS * ldp));
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
         for (int64_t t = 0; t < T; t++) to_terms(x + t * ldx, w->k, (float *)(pairs + t * ldp), ldp, terms);
         x = (const float *)pairs;
         ldx = ldp;
     }
+    const epilogue base = {.mode = EPI_LINEAR, .bias = padded_bias, .act = act, .out = y,
+                           .ldo = ldy};
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
+    /* k-blocked plans: the thread's buffer of raw sums (without it, k is walked whole) */
+    float *part = g.kb < w->k ? (float *)malloc(PART_BYTES) : NULL;
     tiles_begin(bf16p);
 #pragma omp for schedule(static)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t p = it % P, c = it / P;
-        const int64_t t1 = (c + 1) * tc < T ? (c + 1) * tc : T;
-        const int ncol = (int)(w->n - p * MOE_NR < MOE_NR ? w->n - p * MOE_NR : MOE_NR);
-        float padded_bias[MOE_NR] = {0};
-        if (bias) memcpy(padded_bias, bias + p * MOE_NR, sizeof(float) * (size_t)ncol);
-        const epilogue ep = {.mode = EPI_LINEAR, .ncol = ncol, .cscale = panel_cscale(w, p),
-                             .bias = bias ? padded_bias : NULL, .act = act,
-                             .out = y + p * MOE_NR, .ldo = ldy};
-        run_tiles(tile_of, mr, x, ldx, w->k, panel_ptr(w, p), panel_gscale(w, p), &ep, c * tc,
-                  t1);
+    for (int64_t it = 0; it < g.items; it++) {
+        int64_t p0, p1, t0, t1;
+        plan_item(&g, w, T, it, &p0, &p1, &t0, &t1);
+        run_item(&g, w, x, ldx, &base, MOE_NR, w->n, p0, p1, t0, t1, part);
     }
     tiles_end(bf16p);
+    free(part);
     }
     free(pairs);
+    free(padded_bias);
     return 0;
 }
 
@@ -594,8 +711,16 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
      * overwrite its values before they are read), then are split into act's planes */
     const int64_t ld32 = pairs2 == 3 ? moe_row_stride(I) : ldi;
     float *act32 = pairs2 == 3 ? slots + rows * H : act;
+    /* the k-blocked GEMMs' buffer of raw sums, if any expert's needs one */
+    int blocked = 0;
+    for (int e = 0; e < E; e++)
+        if (experts[e].w13.data)
+            blocked |= plan_gemm(&experts[e].w13, rows).kb < experts[e].w13.k ||
+                       plan_gemm(&experts[e].w2, rows).kb < experts[e].w2.k;
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
+        /* the thread's (without it, k is walked whole, with the same results) */
+        float *part = blocked ? (float *)malloc(PART_BYTES) : NULL;
         tiles_begin(bf16p);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; i++) {
@@ -605,27 +730,21 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             else
                 memcpy(xg + i * ldh, src, sizeof(float) * H);
         }
-        /* gate|up GEMM and SiLU(gate) * up, per (expert, token chunk, panel) */
+        /* gate|up GEMM and SiLU(gate) * up, per (expert, token chunk, panel group) */
         for (int e = 0; e < E; e++) {
             const int64_t n = offset[e + 1] - offset[e];
             if (n == 0) continue;
             const moe_packed *w = &experts[e].w13;
-            const tile_fn tile_of = tile_for(w->dtype);
-            const int64_t P = num_panels(w), tc = item_rows(w), chunks = (n + tc - 1) / tc;
+            const gemm_plan g = plan_gemm(w, n);
+            const epilogue base = {.mode = EPI_SWIGLU, .bias = experts[e].b13, .glu = glu,
+                                   .out = act32 + (int64_t)offset[e] * ld32, .ldo = ld32};
             const float *xe = xg + (int64_t)offset[e] * ldh;
-            float *ae = act32 + (int64_t)offset[e] * ld32;
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t it = 0; it < P * chunks; it++) {
-                const int64_t p = it % P, c = it / P;
-                const int64_t t1 = (c + 1) * tc < n ? (c + 1) * tc : n;
-                const float *b13 = experts[e].b13;
-                const epilogue ep = {.mode = EPI_SWIGLU,
-                                     .ncol = (int)(I - p * 16 < 16 ? I - p * 16 : 16),
-                                     .cscale = panel_cscale(w, p),
-                                     .bias = b13 ? b13 + p * MOE_NR : NULL, .glu = glu,
-                                     .out = ae + p * 16, .ldo = ld32};
-                run_tiles(tile_of, tile_rows(w->dtype), xe, ldh, H, panel_ptr(w, p),
-                          panel_gscale(w, p), &ep, c * tc, t1);
+            for (int64_t it = 0; it < g.items; it++) {
+                int64_t p0, p1, t0, t1;
+                plan_item(&g, w, n, it, &p0, &p1, &t0, &t1);
+                /* a panel's 16 gate and 16 up columns give 16 outputs */
+                run_item(&g, w, xe, ldh, &base, 16, I, p0, p1, t0, t1, part);
             }
         }
 #pragma omp barrier
@@ -640,26 +759,20 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             const int64_t n = offset[e + 1] - offset[e];
             if (n == 0) continue;
             const moe_packed *w = &experts[e].w2;
-            const tile_fn tile_of = tile_for(w->dtype);
-            const int64_t P = num_panels(w), tc = item_rows(w), chunks = (n + tc - 1) / tc;
+            const gemm_plan g = plan_gemm(w, n);
+            const epilogue base = {.mode = EPI_SCATTER, .bias = experts[e].b2, .out = slots,
+                                   .ldo = H, .rows = by_expert + offset[e], .weight = weight};
             const float *ae = act + (int64_t)offset[e] * ldi;
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t it = 0; it < P * chunks; it++) {
-                const int64_t p = it % P, c = it / P;
-                const int64_t t1 = (c + 1) * tc < n ? (c + 1) * tc : n;
-                const float *b2 = experts[e].b2;
-                const epilogue ep = {.mode = EPI_SCATTER,
-                                     .ncol = (int)(H - p * MOE_NR < MOE_NR ? H - p * MOE_NR : MOE_NR),
-                                     .cscale = panel_cscale(w, p),
-                                     .bias = b2 ? b2 + p * MOE_NR : NULL,
-                                     .out = slots + p * MOE_NR,
-                                     .ldo = H, .rows = by_expert + offset[e], .weight = weight};
-                run_tiles(tile_of, tile_rows(w->dtype), ae, ldi, I, panel_ptr(w, p),
-                          panel_gscale(w, p), &ep, c * tc, t1);
+            for (int64_t it = 0; it < g.items; it++) {
+                int64_t p0, p1, t0, t1;
+                plan_item(&g, w, n, it, &p0, &p1, &t0, &t1);
+                run_item(&g, w, ae, ldi, &base, MOE_NR, H, p0, p1, t0, t1, part);
             }
         }
 #pragma omp barrier
         tiles_end(bf16p);
+        free(part);
         /* each token's slots summed in slot order: fixed whatever the batch */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {

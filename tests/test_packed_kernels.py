@@ -254,7 +254,7 @@ def test_moe_ffn_rejects_an_absent_expert():
 def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     """Bitwise: one row alone, in a batch of 7, of 64, of 500 and of 800, at another position.
     136 and 104 inputs are not whole AMX steps of 32 (the amx build adds the last pairs after
-    its tiles). Work items are 384 rows at these widths (item_rows: 1 MB of activations): 500
+    its tiles). Work items are 384 rows at these widths (plan_gemm: 1 MB of activations): 500
     rows put the linear's row in its second item; in the batch of 800 every row picks expert 3
     first, so expert 3 and the linear cut it into items of 384, 384 and 32 rows, the row in
     the last, partial one."""
@@ -279,6 +279,37 @@ def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
         lin_out = packed.packed_linear(h, lin, isa=isa, threads=2)
         assert torch.equal(ffn[pos], alone_ffn[0])
         assert torch.equal(lin_out[pos], alone_lin[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("storage", packed.STORAGE_DTYPES)
+def test_a_long_input_is_walked_in_k_blocks_with_the_same_results(isa, storage):
+    """5604 inputs (5664 for the groups of 32 of int4 and mxfp4) over 100 rows overflow an
+    item's activations in L2, so the kernels walk k in blocks (gemm_k_block), the raw sums
+    kept between blocks: the linear's and the down GEMM's rows are bitwise what they are alone
+    (walked whole), and within fp32's rounding of the fp64 reference. 5604 is no multiple of
+    the block, and its 2802 pairs none of AMX's 16 (the last pairs come after the tiles)."""
+    k, rows = (5664 if storage in packed.NIBBLE_STORAGE else 5604), 100
+    assert packed.gemm_k_block(rows, k, storage, isa) < k == packed.gemm_k_block(1, k, storage, isa)
+    torch.manual_seed(3)
+    w, b, x = torch.randn(40, k) * 0.1, torch.randn(40), torch.randn(rows, k)
+    lin = packed.pack_linear(w, storage)
+    y = packed.packed_linear(x, lin, b, isa=isa, threads=2)
+    ref = activations(x, storage) @ dequantized(w, storage).T + b.double()
+    assert (y.double() - ref).abs().max().item() < 20 * tolerance(storage)
+    for r in (0, 57, 99):
+        assert torch.equal(y[r], packed.packed_linear(x[r:r + 1], lin, b, isa=isa, threads=1)[0])
+    # the experts: gate|up walks its 64 inputs whole, the down GEMM its k in blocks
+    w13, w2, experts = _experts(2, 64, k, storage)
+    h, wts = torch.randn(rows, 64), torch.rand(rows, 2)
+    idx = torch.tensor([[0, 1]]).repeat(rows, 1)
+    out = packed.packed_moe_ffn(experts, h, wts, idx, isa=isa, threads=2)
+    ref = _moe_reference(w13, w2, storage, h, wts, idx)
+    assert (out.double() - ref).abs().max().item() < 20 * tolerance(storage)
+    for r in (0, 99):
+        alone = packed.packed_moe_ffn(experts, h[r:r + 1], wts[r:r + 1], idx[r:r + 1], isa=isa,
+                                      threads=1)
+        assert torch.equal(out[r], alone[0])
 
 
 @pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3"])

@@ -417,6 +417,14 @@ def packed_moe_ffn(experts: list[Optional[ExpertWeights]], h: torch.Tensor,
     return out
 
 
+def gemm_k_block(rows: int, k: int, storage: str, isa: Optional[str] = None) -> int:
+    """The inputs of the k-blocks in which the kernels walk `rows` activation rows against
+    weights of k inputs stored as `storage` (k: walked whole, the activations fit in L2).
+    Results do not depend on it; tests use it to know their shapes take the blocked path."""
+    _require_kernels()
+    return _ext.gemm_k_block(rows, k, _CODES[storage], isa_code(isa))
+
+
 def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
                    isa: Optional[str] = None, kind: str = "fma") -> float:
     """Achieved FLOP/s of a register-blocked loop on `threads` threads (the compute roof): fp32
