@@ -78,9 +78,9 @@ class MatmulPrecision(str, Enum):
     instruction (~2x the GEMMs); other CPUs compute the same products in fp32 FMAs, no faster.
     high: bf16 weights held as bf16x3, whose GEMMs split each fp32 activation into three bf16s
     summing to it exactly, so every product is exact and the sums are fp32's (within 1e-6 of
-    fp64, as highest); a CPU with AMX tiles does the 3x work ~1.5-1.9x faster than highest's
-    FMAs, others emulate it, slower (fp32, fp16 and quantized weights keep highest's path).
-    All three are batch invariant."""
+    fp64, as highest) where the CPU has AMX tiles, which do the 3x work 1.4-3x faster than
+    highest's FMAs; elsewhere high runs as highest (emulated, bf16x3 would be slower), as do
+    fp32, fp16 and quantized weights. All three are batch invariant."""
 
     highest = "highest"
     high = "high"

@@ -326,9 +326,11 @@ def test_a_one_slot_ring_and_per_micro_batch_grouping_give_identical_tokens(mixt
 
 
 @pytest.mark.parametrize("storage", ["int8", "int4", "bf16p", "bf16x3"])
-def test_quantized_experts_page_from_disk_like_resident_ones(mixtral_dir, storage):
+def test_quantized_experts_page_from_disk_like_resident_ones(mixtral_dir, storage, monkeypatch):
     # bf16p: medium matmul precision's bf16 pairs (int32 words), bf16x3: high's (uint32 words,
-    # from a bf16 model) page as any other storage
+    # from a bf16 model; held where the CPU has AMX tiles, which the engine is told it has)
+    # page as any other storage
+    monkeypatch.setattr("moe_engine.engine.llm_engine.bf16_tiles", lambda: True)
     knobs = ({"matmul_precision": "medium"} if storage == "bf16p"
              else {"matmul_precision": "high"} if storage == "bf16x3"
              else {"expert_dtype": storage})

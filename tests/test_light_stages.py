@@ -211,11 +211,13 @@ def test_policy_sizes_the_experts_the_engine_will_hold():
     assert held_expert_storage(compose([medium]).engine, None, "float16") is None
     assert held([medium, "engine.expert_dtype=int8"], None) == "int8"
     assert held([medium], "mxfp4") == "mxfp4"
-    # high holds bf16 experts as bf16x3; fp32 ones are not bf16s and keep highest's path
-    high = "engine.matmul_precision=high"
-    assert held([high], None) == "bf16x3"
-    assert held_expert_storage(compose([high]).engine, None, "float32") is None
-    assert held([high], "mxfp4") == "mxfp4"
+    # high holds bf16 experts as bf16x3 where the kernels have AMX tiles, and is highest
+    # elsewhere; fp32 ones are not bf16s and keep highest's path
+    high = compose(["engine.matmul_precision=high"]).engine
+    assert held_expert_storage(high, None, tiles=True) == "bf16x3"
+    assert held_expert_storage(high, None, tiles=False) is None
+    assert held_expert_storage(high, None, "float32", tiles=True) is None
+    assert held_expert_storage(high, "mxfp4", tiles=True) == "mxfp4"
 
 
 def test_policy_prices_the_dense_weights_the_engine_will_hold():
@@ -229,8 +231,10 @@ def test_policy_prices_the_dense_weights_the_engine_will_hold():
     medium = "engine.matmul_precision=medium"
     assert held([]) is None and held([medium]) == "bf16p"
     assert held([medium], "float32") == "bf16p" and held([medium], "float16") is None
-    high = "engine.matmul_precision=high"
-    assert held([high]) == "bf16x3" and held([high], "float32") is None
+    high = compose(["engine.matmul_precision=high"]).engine
+    assert held_weight_storage(high, tiles=True) == "bf16x3"
+    assert held_weight_storage(high, tiles=False) is None
+    assert held_weight_storage(high, "float32", tiles=True) is None
     # torch's GEMMs on the CPU are another path (the model dtype's F.linear, activations in
     # the model dtype); a device backend's GEMMs are the device's
     assert held(["engine.gemm=torch"]) == "torch" == held(["engine.gemm=torch"], "float32")

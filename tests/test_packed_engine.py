@@ -37,8 +37,16 @@ def _subset(reference, indices):
     return {str(i): reference[str(k)] for k, i in enumerate(indices)}
 
 
+@pytest.fixture
+def bf16_tiles(monkeypatch):
+    """The engine told the CPU has AMX tiles, so high holds bf16x3 on every machine: the
+    kernels emulate its products on the builds without tiles (slower, the same precision)."""
+    monkeypatch.setattr("moe_engine.engine.llm_engine.bf16_tiles", lambda: True)
+
+
 @pytest.mark.parametrize("precision", ["highest", "high"])
-def test_bf16_checkpoint_on_packed_kernels_matches_fp32_transformers(bf16_dir, precision):
+def test_bf16_checkpoint_on_packed_kernels_matches_fp32_transformers(bf16_dir, precision,
+                                                                     bf16_tiles):
     engine = LLMEngine(bf16_dir, EngineConfig(threads=2, kv_cache_gb=0.02, kv_dtype="float32",
                                               matmul_precision=precision))
     assert engine.gemm == "packed" and engine.dtype == torch.bfloat16
@@ -148,12 +156,32 @@ def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtr
 
 @pytest.mark.parametrize("precision", ["medium", "high"])
 def test_bf16_term_precisions_rows_are_bitwise_identical_alone_and_in_batches(tiny_mixtral_dir,
-                                                                              precision):
+                                                                              precision,
+                                                                              bf16_tiles):
     engine = LLMEngine(tiny_mixtral_dir, EngineConfig(
         threads=2, kv_cache_gb=0.05, num_micro_batches=3, matmul_precision=precision),
         dtype="bfloat16")
     assert {"medium": "bf16p", "high": "bf16x3"}[precision] in engine.gemm_path
     _assert_batch_invariant(engine, new_tokens=4)
+
+
+def test_high_without_amx_tiles_runs_as_highest(tiny_mixtral_dir, monkeypatch, caplog):
+    """torch's "high": the faster algorithm where there is one. Without AMX tiles bf16x3's
+    three products a weight would be emulated at 0.2-0.3x highest's speed, so the engine holds
+    bf16 as highest does (the policy stage prices the same, cpu_features.bf16_tiles)."""
+    monkeypatch.setattr("moe_engine.engine.llm_engine.bf16_tiles", lambda: False)
+
+    def run(precision):
+        engine = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
+                                                          matmul_precision=precision),
+                           dtype="bfloat16")
+        return engine, _logits_of(engine, _requests([0]), "0")
+
+    with caplog.at_level("INFO", logger="moe_engine.engine.llm_engine"):
+        engine, high = run("high")
+    assert "weights bf16, experts bf16" in engine.gemm_path
+    assert "runs as highest here" in caplog.text
+    assert torch.equal(high, run("highest")[1])
 
 
 def test_packed_gemm_on_cuda_is_a_config_error():

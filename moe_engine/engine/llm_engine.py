@@ -27,6 +27,7 @@ from moe_engine.engine.sequence import Sequence
 from moe_engine.engine.stats import EngineStats
 from moe_engine.engine.step_inputs import micro_batch_input, sampling_batch
 from moe_engine.engine.tokenizer import load_tokenizer
+from moe_engine.cpu_features import bf16_tiles
 from moe_engine.host_alloc import tune_host_allocator
 from moe_engine.model.attention import DecodeAttention
 from moe_engine.model.kv_cache import KVCache, kv_pool_blocks
@@ -79,12 +80,18 @@ class LLMEngine:
             precision = MatmulPrecision(config.matmul_precision).value
             storage = packed.storage_name(self.dtype)
             experts = ExpertDType(config.expert_dtype)
+            tiles = bf16_tiles()  # as the policy stage prices it
             self.expert_storage = precision_storage(
                 (self.spec.expert_storage or storage) if experts is ExpertDType.auto
-                else experts.value, precision)
-            self.weight_storage = precision_storage(storage, precision)
+                else experts.value, precision, tiles)
+            self.weight_storage = precision_storage(storage, precision, tiles)
             held = {self.weight_storage, self.expert_storage} & set(packed.PAIR_STORAGES)
-            if precision != "highest" and not held:
+            if precision == "high" and not tiles:
+                log.info("engine.matmul_precision=high runs as highest here: no AMX tiles (or "
+                         "MOE_BATCH_ISA=%s), where bf16x3's three products a weight would be "
+                         "emulated at 0.2-0.3x highest's speed; the precision is the same",
+                         os.environ.get("MOE_BATCH_ISA", "unset"))
+            elif precision != "highest" and not held:
                 log.warning("engine.matmul_precision=%s changes nothing here: weights %s, "
                             "experts %s (medium applies to bf16 and fp32 weights, high to bf16)",
                             precision, self.weight_storage, self.expert_storage)
@@ -93,8 +100,9 @@ class LLMEngine:
                             "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
                             "results, no faster than highest)", packed.ISA)
             elif packed.BF16X3_STORAGE in held and packed.ISA not in packed.TILE_ISAS:
-                log.warning("engine.matmul_precision=high on the %s kernel build, which has no "
-                            "AMX tiles: its three bf16 products a weight are emulated "
+                log.warning("engine.matmul_precision=high: the CPU has AMX tiles but the %s "
+                            "kernel build runs (built without them, or the OS refused the "
+                            "tile state): bf16x3's three bf16 products a weight are emulated "
                             "(vdpbf16ps or fp32 FMAs), 0.2-0.3x highest's speed for the same "
                             "precision (use highest here)", packed.ISA)
             weights = packed.pack_model(weights, self.weight_storage, self.expert_storage)

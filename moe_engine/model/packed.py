@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_engine.cpu_features import TILE_ISA
 from moe_engine.model import mxfp4
 from moe_engine.model.kernel_import import import_kernel
 from moe_engine.model.spec import BF16X3_STORAGE, PAIR_STORAGE
@@ -50,7 +51,7 @@ PAIR_STORAGES = (PAIR_STORAGE, BF16X3_STORAGE)
 # ISA builds that multiply bf16 pairs natively (elsewhere bf16p is emulated: no faster)
 NATIVE_BF16_ISAS = ("avx512bf16", "amx")
 # ISA builds that run bf16p and bf16x3 on AMX tiles (bf16x3 pays only there)
-TILE_ISAS = ("amx",)
+TILE_ISAS = (TILE_ISA,)
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                   "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,

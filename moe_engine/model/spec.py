@@ -48,15 +48,17 @@ TORCH_GEMM_STORAGE = "torch"
 FLOAT_STORAGE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def precision_storage(storage: str, precision: str) -> str:
+def precision_storage(storage: str, precision: str, tiles: bool) -> str:
     """The packed storage of weights otherwise held in `storage` under engine.matmul_precision:
     medium holds bf16 and fp32 weights as bf16 pairs (bf16 activations); high holds bf16
-    weights as bf16x3 (three bf16 activation terms; fp32 weights are not bf16s, so they keep
-    highest's path); fp16 and quantized storage, and everything under highest, stay as they
-    are."""
+    weights as bf16x3 (three bf16 activation terms) where the kernels run bf16 pairs on AMX
+    tiles (`tiles`, cpu_features.bf16_tiles), and is highest elsewhere, as torch's "high" takes
+    the faster algorithm only where there is one (emulated, bf16x3 is 0.2-0.3x fp32 FMAs; fp32
+    weights are not bf16s, so they keep highest's path too); fp16 and quantized storage, and
+    everything under highest, stay as they are."""
     if precision == "medium" and storage in ("bf16", "fp32"):
         return PAIR_STORAGE
-    if precision == "high" and storage == "bf16":
+    if precision == "high" and storage == "bf16" and tiles:
         return BF16X3_STORAGE
     return storage
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
+from moe_engine.cpu_features import cpuinfo_field
 from moe_engine.host_alloc import allocator_fingerprint
 from .specs import (GB, TFLOPS, DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
                     layer_layout)
@@ -139,14 +140,7 @@ def machine_fingerprint() -> str:
 
     Read from package metadata and /proc, not by importing torch or the kernels, so the
     performance model stays importable (and fast) without them."""
-    cpu_model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu_model = cpuinfo_field("model name") or platform.processor()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     mem_gb = round(total_memory_bytes() / GB)
     parts = [cpu_model, str(cores), str(mem_gb), platform.machine()]

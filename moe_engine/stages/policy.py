@@ -19,6 +19,7 @@ from typing import Any, Optional
 import polars as pl
 
 from moe_engine.config import AppConfig, DeviceKind, EngineConfig, ExpertDType, GemmImpl
+from moe_engine.cpu_features import bf16_tiles
 from moe_engine.io import hardware_cache_dir, write_text_atomic
 from moe_engine.model.spec import (EXPERT_STORAGE_BITS, FLOAT_STORAGE, MODEL_DTYPE_STORAGE,
                                     TORCH_GEMM_STORAGE, precision_storage)
@@ -67,13 +68,14 @@ def _packed_path(engine) -> bool:
 
 
 def held_expert_storage(engine, checkpoint_storage: Optional[str],
-                        model_dtype: str = "bfloat16") -> Optional[str]:
+                        model_dtype: str = "bfloat16", tiles: Optional[bool] = None) -> Optional[str]:
     """The storage the engine will hold routed experts in when it is not `model_dtype` (None:
     the model dtype), as LLMEngine decides it: a quantized engine.expert_dtype; with auto, the
     checkpoint's own (MXFP4) on the packed CPU kernels, widened on torch's GEMMs (engine.gemm=
     torch, a device backend); a float expert_dtype widens; and on the packed kernels under
     engine.matmul_precision=medium, bf16 or fp32 experts become bf16 pairs (bf16p), under
-    high bf16 experts become bf16x3."""
+    high bf16 experts become bf16x3 where the kernels have AMX tiles (`tiles`; None: this
+    machine's, cpu_features.bf16_tiles)."""
     choice = engine.expert_dtype
     if choice.quantized:
         return choice.value
@@ -81,25 +83,31 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
         return checkpoint_storage
     if _packed_path(engine):
         floats = FLOAT_STORAGE.get(model_dtype) if choice is ExpertDType.auto else choice.value
-        held = precision_storage(floats, engine.matmul_precision.value) if floats else None
+        held = (precision_storage(floats, engine.matmul_precision.value, _tiles(tiles))
+                if floats else None)
         return held if held in EXPERT_STORAGE_BITS else None
     return None
 
 
-def held_weight_storage(engine, model_dtype: str = "bfloat16") -> Optional[str]:
+def held_weight_storage(engine, model_dtype: str = "bfloat16",
+                        tiles: Optional[bool] = None) -> Optional[str]:
     """The storage the engine holds the dense projections and the LM head in when it is not
     `model_dtype` on the packed kernels (None), as LLMEngine decides it: bf16 pairs on the
     packed CPU kernels under engine.matmul_precision=medium, for bf16 and fp32 models (bf16x3
-    under high, for bf16 models); the
-    model dtype on torch's GEMMs (TORCH_GEMM_STORAGE) for engine.gemm=torch on the CPU, whose
+    under high, for bf16 models, where the kernels have AMX tiles: `tiles`, None for this
+    machine's); the model dtype on torch's GEMMs (TORCH_GEMM_STORAGE) for engine.gemm=torch on the CPU, whose
     GEMMs and element-wise work (in the model dtype, not fp32) are another path to profile."""
     if engine.backend is DeviceKind.cpu and engine.gemm is GemmImpl.torch:
         return TORCH_GEMM_STORAGE
     floats = FLOAT_STORAGE.get(model_dtype)
     if not _packed_path(engine) or floats is None:
         return None
-    held = precision_storage(floats, engine.matmul_precision.value)
+    held = precision_storage(floats, engine.matmul_precision.value, _tiles(tiles))
     return held if held != floats else None
+
+
+def _tiles(tiles: Optional[bool]) -> bool:
+    return bf16_tiles() if tiles is None else tiles
 
 
 def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:

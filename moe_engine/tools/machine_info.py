@@ -10,34 +10,24 @@ from __future__ import annotations
 import os
 import platform
 import time
-from pathlib import Path
-from typing import Optional
 
 import torch
 
+from moe_engine.cpu_features import cpu_flags as cpu_flags_reported
+from moe_engine.cpu_features import cpuinfo_field
 from moe_engine.host_alloc import tune_host_allocator
 # CPU flags (as /proc/cpuinfo spells them) that decide which kernel paths can run.
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                   "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
 
 
-def _cpuinfo_field(name: str) -> Optional[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def cpu_model() -> str:
-    return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
+    return cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
 def cpu_flags() -> list[str]:
     """The RELEVANT_FLAGS this CPU reports."""
-    flags = set((_cpuinfo_field("flags") or "").split())
+    flags = cpu_flags_reported()
     return [f for f in RELEVANT_FLAGS if f in flags]
 
 
