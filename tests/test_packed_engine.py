@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moe_engine.tools.checkpoints as ck
-from moe_engine.config import EngineConfig, ExpertDType, GemmImpl
+from moe_engine.config import EngineConfig, ExpertDType
 from moe_engine.engine.llm_engine import LLMEngine
 from moe_engine.engine.request import Request, SamplingParams
 from moe_engine.model import packed
