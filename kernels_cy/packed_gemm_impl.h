@@ -602,7 +602,8 @@ static void run_item(const gemm_plan *g, const moe_packed *w, const float *x, in
     const int64_t K = w->k, rb = krow_bytes(w->dtype);
     const int64_t kb = part ? g->kb : K, prows = (t1 - t0 + g->mr - 1) / g->mr * g->mr;
     const int pairs = moe_pair_terms(w->dtype) > 0;
-    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    int64_t k0 = 0;
+    do { /* once when K == 0: the epilogue still writes act(bias) */
         const int64_t k1 = k0 + kb < K ? k0 + kb : K;
         /* fp32 inputs one a float, bf16 pairs two a word (in each plane) */
         const float *xk = x + (pairs ? k0 / 2 : k0);
@@ -620,7 +621,8 @@ static void run_item(const gemm_plan *g, const moe_packed *w, const float *x, in
                       panel_ptr(w, p) + panel_rows(w->dtype, k0) * rb, panel_gscale(w, p, k0),
                       &ep, t0, t1);
         }
-    }
+        k0 += kb;
+    } while (k0 < K);
 }
 
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
@@ -631,7 +633,7 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
     uint32_t *pairs = NULL;
     float *padded_bias = NULL; /* whole panels of it: the epilogue loads MOE_NR at a time */
-    if (bias) {
+    if (bias && P > 0) {
         padded_bias = (float *)calloc((size_t)(P * MOE_NR), sizeof(float));
         if (!padded_bias) return -2;
         memcpy(padded_bias, bias, sizeof(float) * (size_t)w->n);

@@ -33,10 +33,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def bf16_tiles(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether the packed kernels run bf16 pair GEMMs on AMX tiles on this machine: the CPU
-    has them and MOE_BATCH_ISA does not force another build. The one place
-    engine.matmul_precision=high is decided (its bf16x3 GEMMs beat fp32 FMAs only on tiles),
-    so the engine and the policy stage hold and price the same storage."""
+    """Whether engine.matmul_precision=high holds bf16x3 here: the CPU reports AMX tiles with
+    bf16 products and MOE_BATCH_ISA does not force another build (bf16x3 GEMMs beat fp32 FMAs
+    only on tiles). The one place it is decided, so the engine and the policy stage hold and
+    price the same storage. It reads the CPU, not the kernel build: a build without the amx
+    path (an old compiler) or an OS refusing the tile state leaves bf16x3 emulated, and the
+    engine warns."""
     env = os.environ if environ is None else environ
     forced = env.get("MOE_BATCH_ISA")
     return (not forced or forced == TILE_ISA) and set(TILE_FLAGS) <= cpu_flags()

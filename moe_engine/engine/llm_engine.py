@@ -86,7 +86,7 @@ class LLMEngine:
                 else experts.value, precision, tiles)
             self.weight_storage = precision_storage(storage, precision, tiles)
             held = {self.weight_storage, self.expert_storage} & set(packed.PAIR_STORAGES)
-            if precision == "high" and not tiles:
+            if precision == "high" and not tiles and storage == "bf16":
                 log.info("engine.matmul_precision=high runs as highest here: no AMX tiles (or "
                          "MOE_BATCH_ISA=%s), where bf16x3's three products a weight would be "
                          "emulated at 0.2-0.3x highest's speed; the precision is the same",
