@@ -196,6 +196,17 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
  * at 5-7 GB/s a core on an Emerald Rapids VM; 2 KB ahead gave 1.5x, 4 KB 1.07-1.13x more,
  * 8 KB no more. */
 #define PANEL_AHEAD 4096
+/* Prefetches k-row k of a panel (rows of rb bytes) PANEL_AHEAD bytes ahead: each of its lines,
+ * or, for rows shorter than a line, the line that starts with it (each line once). */
+static inline __attribute__((always_inline)) void prefetch_krow(const char *panel, int64_t k,
+                                                               int64_t rb) {
+    if (rb >= 64) {
+        for (int64_t l = 0; l < rb; l += 64) PREFETCH_T0(panel + k * rb + l + PANEL_AHEAD);
+    } else if (k % (64 / rb) == 0) {
+        PREFETCH_T0(panel + k * rb + PANEL_AHEAD);
+    }
+}
+
 /* acc[r][0..1] = init[r] (zero when NULL) + sum over k of x[r, k] * (pass s columns of the
  * panel), one FMA chain per output in increasing k. */
 static inline __attribute__((always_inline)) void micro_kernel(
@@ -220,7 +231,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
             }
             for (int64_t k = g; k < g + MOE_I4_GROUP; k++) {
                 vf a, b;
-                if (s == 0 && k % (64 / rb) == 0) PREFETCH_T0(panel + k * rb + PANEL_AHEAD);
+                if (s == 0) prefetch_krow(panel, k, rb);
                 load_pair(dt, panel + k * rb, s, &a, &b);
                 if (dt == MOE_W_I4) { /* q - 8; FP4 codes decode to signed values */
                     a = a - 8.0f;
@@ -244,10 +255,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
         const int64_t ldt = ldx / 3;
         for (int64_t j = 0; j < (K + 1) / 2; j++) {
             const char *row = panel + j * rb; /* loaded once for all the pair's terms */
-            if (s == 0) {
-                PREFETCH_T0(row + PANEL_AHEAD);
-                PREFETCH_T0(row + 64 + PANEL_AHEAD);
-            }
+            if (s == 0) prefetch_krow(panel, j, rb);
 #if VW == 16 && defined(__AVX512BF16__)
             const __m512bh a = (__m512bh)_mm512_loadu_si512(row + s * VW * 4);
             const __m512bh b = (__m512bh)_mm512_loadu_si512(row + (16 + s * VW) * 4);
@@ -284,13 +292,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
     }
     for (int64_t k = 0; k < K; k++) {
         vf a, b;
-        if (s == 0) { /* each line of the panel once, PANEL_AHEAD bytes ahead (of pass 0) */
-            if (rb >= 64) {
-                for (int64_t l = 0; l < rb; l += 64) PREFETCH_T0(panel + k * rb + l + PANEL_AHEAD);
-            } else if (k % (64 / rb) == 0) {
-                PREFETCH_T0(panel + k * rb + PANEL_AHEAD);
-            }
-        }
+        if (s == 0) prefetch_krow(panel, k, rb); /* pass 0 only: the later passes find it */
         load_pair(dt, panel + k * rb, s, &a, &b);
         for (int r = 0; r < M; r++) {
             const vf xb = bcast(x[r * ldx + k]);
@@ -570,17 +572,6 @@ static int64_t gemm_k_block_impl(int64_t rows, int64_t k, int dtype) {
     return plan_gemm(&w, rows).kb;
 }
 
-/* Item `it` of plan g: panels [p0, p1) and rows [t0, t1) of `rows`. Consecutive items share
- * their rows (a thread's next item finds them in cache). */
-static inline void plan_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int64_t it,
-                             int64_t *p0, int64_t *p1, int64_t *t0, int64_t *t1) {
-    const int64_t P = num_panels(w), c = it / g->pgroups;
-    *p0 = (it % g->pgroups) * g->group;
-    *p1 = *p0 + g->group < P ? *p0 + g->group : P;
-    *t0 = c * g->tc;
-    *t1 = (c + 1) * g->tc < rows ? (c + 1) * g->tc : rows;
-}
-
 /* Rows [t0, t1) of an item against one panel's inputs from k0 on, `mr` rows (tile_rows) at a
  * time. */
 static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ldx, int64_t K,
@@ -591,14 +582,18 @@ static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ld
                 (int)tb);
 }
 
-/* One work item of plan g: rows [t0, t1) of x (row stride ldx; fp32, or bf16 pair words)
- * against panels [p0, p1) of w, each panel through `base` made its own (panel_epilogue). `out`
- * advances `width` columns a panel and the biases (padded to whole panels) MOE_NR; `nout`
- * columns are real. `part` is the thread's PART_BYTES buffer for k-blocked plans; NULL (no
- * memory) walks k whole, with the same results. */
-static void run_item(const gemm_plan *g, const moe_packed *w, const float *x, int64_t ldx,
-                     const epilogue *base, int64_t width, int64_t nout, int64_t p0, int64_t p1,
-                     int64_t t0, int64_t t1, float *part) {
+/* Work item `it` of plan g for `rows` rows of x (row stride ldx; fp32, or bf16 pair words):
+ * rows [t0, t1) of a chunk against the panels [p0, p1) of a group (consecutive items share
+ * their rows, so a thread's next item finds them in cache), each panel through `base` made its
+ * own. `out` advances `width` columns a panel and the biases (padded to whole panels) MOE_NR;
+ * `nout` columns are real. `part` is the thread's PART_BYTES buffer for k-blocked plans; NULL
+ * (no memory) walks k whole, with the same results. */
+static void run_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int64_t it,
+                     const float *x, int64_t ldx, const epilogue *base, int64_t width,
+                     int64_t nout, float *part) {
+    const int64_t P = num_panels(w), c = it / g->pgroups;
+    const int64_t p0 = (it % g->pgroups) * g->group, p1 = p0 + g->group < P ? p0 + g->group : P;
+    const int64_t t0 = c * g->tc, t1 = (c + 1) * g->tc < rows ? (c + 1) * g->tc : rows;
     const int64_t K = w->k, rb = krow_bytes(w->dtype);
     const int64_t kb = part ? g->kb : K, prows = (t1 - t0 + g->mr - 1) / g->mr * g->mr;
     const int pairs = moe_pair_terms(w->dtype) > 0;
@@ -660,11 +655,8 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
     float *part = g.kb < w->k ? (float *)malloc(PART_BYTES) : NULL;
     tiles_begin(bf16p);
 #pragma omp for schedule(static)
-    for (int64_t it = 0; it < g.items; it++) {
-        int64_t p0, p1, t0, t1;
-        plan_item(&g, w, T, it, &p0, &p1, &t0, &t1);
-        run_item(&g, w, x, ldx, &base, MOE_NR, w->n, p0, p1, t0, t1, part);
-    }
+    for (int64_t it = 0; it < g.items; it++)
+        run_item(&g, w, T, it, x, ldx, &base, MOE_NR, w->n, part);
     tiles_end(bf16p);
     free(part);
     }
@@ -759,12 +751,9 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                    .out = act32 + (int64_t)offset[e] * ld32, .ldo = ld32};
             const float *xe = xg + (int64_t)offset[e] * ldh;
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t it = 0; it < g.items; it++) {
-                int64_t p0, p1, t0, t1;
-                plan_item(&g, w, n, it, &p0, &p1, &t0, &t1);
-                /* a panel's 16 gate and 16 up columns give 16 outputs */
-                run_item(&g, w, xe, ldh, &base, 16, I, p0, p1, t0, t1, part);
-            }
+            /* a panel's 16 gate and 16 up columns give 16 outputs */
+            for (int64_t it = 0; it < g.items; it++)
+                run_item(&g, w, n, it, xe, ldh, &base, 16, I, part);
         }
 #pragma omp barrier
         if (pairs2 > 0) { /* the activations as bf16 pairs (in place: act32 is act, row stride
@@ -783,11 +772,8 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                                    .ldo = H, .rows = by_expert + offset[e], .weight = weight};
             const float *ae = act + (int64_t)offset[e] * ldi;
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t it = 0; it < g.items; it++) {
-                int64_t p0, p1, t0, t1;
-                plan_item(&g, w, n, it, &p0, &p1, &t0, &t1);
-                run_item(&g, w, ae, ldi, &base, MOE_NR, H, p0, p1, t0, t1, part);
-            }
+            for (int64_t it = 0; it < g.items; it++)
+                run_item(&g, w, n, it, ae, ldi, &base, MOE_NR, H, part);
         }
 #pragma omp barrier
         tiles_end(bf16p);
