@@ -365,8 +365,13 @@ static inline void store_cols(float *dst, int c0, vf v, int ncol) {
     }
 }
 
-static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf acc[][2], int s,
-                                                                const epilogue *ep, int row0) {
+/* Out of line on purpose: inlined into a tile, GCC hoists its constants (the exp polynomial's,
+ * the GLU's) out of the pass loop, and they hold registers across the k loop; on AVX2's 16 ymm
+ * the 1-row tiles' two accumulators then lived on the stack, a store-to-load round trip in
+ * every FMA chain (1.4x slower at one token). Its call costs a store and a load of the
+ * accumulators per tile and pass: nothing against a k loop. */
+static __attribute__((noinline)) void apply_epilogue(const int M, vf acc[][2], int s,
+                                                     const epilogue *ep, int row0) {
     const int ca = s * VW, cb = 16 + s * VW; /* panel columns of acc[r][0] and acc[r][1] */
     if (ep->defer) {
         float *dst = part_row(ep, row0);
@@ -405,11 +410,63 @@ static inline __attribute__((always_inline)) void apply_epilogue(const int M, vf
     }
 }
 
+/* Both passes of AVX2 (NPASS 2) in one walk of the panel, for tiles of up to 3 rows and
+ * storages whose k-row loads alone (fp32, bf16, fp16, int8): a pass reads half of each
+ * 64-byte k-row, so two passes walk the panel twice, and a tile of few rows (a decode step's
+ * expert, a tile's tail) streams it from memory in the first and from L2 in the second, with
+ * two FMA chains a row. One walk with all 4M accumulators (12 of the 16 ymm at 3 rows) reads
+ * each line once and keeps 4 chains a row in flight. Same FMAs in the same order per output:
+ * the same bits as the two passes. */
+static inline int fused_passes(int dt, int M) {
+    return NPASS == 2 && M <= 3 &&
+           (dt == MOE_W_F32 || dt == MOE_W_BF16 || dt == MOE_W_F16 || dt == MOE_W_I8);
+}
+
+static inline __attribute__((always_inline)) void micro_kernel_fused(
+    const int dt, const int M, const float *x, int64_t ldx, int64_t K, const char *panel,
+    vf acc0[][2], vf acc1[][2], const float *init) {
+    const int64_t rb = krow_bytes(dt);
+    for (int r = 0; r < M; r++) {
+        acc0[r][0] = init ? ldf(init + r * MOE_NR) : (vf){0};
+        acc0[r][1] = init ? ldf(init + r * MOE_NR + 16) : (vf){0};
+        acc1[r][0] = init ? ldf(init + r * MOE_NR + VW) : (vf){0};
+        acc1[r][1] = init ? ldf(init + r * MOE_NR + 16 + VW) : (vf){0};
+    }
+    for (int64_t k = 0; k < K; k++) {
+        vf a, b;
+        prefetch_krow(panel, k, rb);
+        /* pass 0's pair, then pass 1's into the same two registers (16 ymm at 3 rows) */
+        load_pair(dt, panel + k * rb, 0, &a, &b);
+        for (int r = 0; r < M; r++) {
+            const vf xb = bcast(x[r * ldx + k]);
+            acc0[r][0] += a * xb;
+            acc0[r][1] += b * xb;
+        }
+        /* the broadcasts again, from L1: held over from the first half they would take 3
+         * registers more (GCC would keep them, and spill an accumulator) */
+        __asm__ volatile("" ::: "memory");
+        load_pair(dt, panel + k * rb, 1, &a, &b);
+        for (int r = 0; r < M; r++) {
+            const vf xb = bcast(x[r * ldx + k]);
+            acc1[r][0] += a * xb;
+            acc1[r][1] += b * xb;
+        }
+    }
+}
+
 /* M rows against a panel, all passes, each pass's accumulators through the epilogue. */
 static inline __attribute__((always_inline)) void tile_m(const int dt, const int M, const float *x,
                                                         int64_t ldx, int64_t K, const char *panel,
                                                         const void *gscale, const epilogue *ep,
                                                         int row0) {
+    if (fused_passes(dt, M)) {
+        vf acc0[M][2], acc1[M][2];
+        micro_kernel_fused(dt, M, x, ldx, K, panel, acc0, acc1,
+                           ep->resume ? part_row(ep, row0) : NULL);
+        apply_epilogue(M, acc0, 0, ep, row0);
+        apply_epilogue(M, acc1, 1, ep, row0);
+        return;
+    }
     for (int s = 0; s < NPASS; s++) {
         vf acc[M][2];
         micro_kernel(dt, M, x, ldx, K, panel, gscale, s, acc,
@@ -573,13 +630,19 @@ static int64_t gemm_k_block_impl(int64_t rows, int64_t k, int dtype) {
 }
 
 /* Rows [t0, t1) of an item against one panel's inputs from k0 on, `mr` rows (tile_rows) at a
- * time. */
+ * time. Register tiles split a tail of mr+1 .. 2mr-1 rows in two near-equal tiles (7 rows: 4
+ * and 3, not 6 and 1): a tile of few rows has too few FMA chains to cover the FMA latency
+ * (one row: 2 chains a pass, where 2 ports x 4 cycles want 8), and a row's sums do not depend
+ * on its tile. AMX tiles compute 16 rows whatever the count, so theirs stay whole. */
 static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ldx, int64_t K,
                              const char *panel, const void *gscale, const epilogue *ep,
                              int64_t t0, int64_t t1) {
-    for (int64_t tb = t0; tb < t1; tb += mr)
-        tile_of((int)(t1 - tb < mr ? t1 - tb : mr), x + tb * ldx, ldx, K, panel, gscale, ep,
-                (int)tb);
+    for (int64_t tb = t0; tb < t1;) {
+        const int64_t left = t1 - tb;
+        const int m = (int)(left <= mr ? left : left >= 2 * mr || mr != MR ? mr : (left + 1) / 2);
+        tile_of(m, x + tb * ldx, ldx, K, panel, gscale, ep, (int)tb);
+        tb += m;
+    }
 }
 
 /* Work item `it` of plan g for `rows` rows of x (row stride ldx; fp32, or bf16 pair words):
