@@ -207,16 +207,34 @@ static inline __attribute__((always_inline)) void prefetch_krow(const char *pane
     }
 }
 
+/* Pass s's accumulators of M rows from zero, or from the raw sums of the k-blocks before
+ * (init: MOE_NR a row). */
+static inline __attribute__((always_inline)) void acc_start(const int M, int s, vf acc[][2],
+                                                           const float *init) {
+    for (int r = 0; r < M; r++) {
+        acc[r][0] = init ? ldf(init + r * MOE_NR + s * VW) : (vf){0};
+        acc[r][1] = init ? ldf(init + r * MOE_NR + 16 + s * VW) : (vf){0};
+    }
+}
+
+/* One k step of M rows: acc[r] += x[r, k] * (a, b), the pass's two weight vectors. */
+static inline __attribute__((always_inline)) void fma_rows(const int M, const float *x,
+                                                          int64_t ldx, int64_t k, vf a, vf b,
+                                                          vf acc[][2]) {
+    for (int r = 0; r < M; r++) {
+        const vf xb = bcast(x[r * ldx + k]);
+        acc[r][0] += a * xb;
+        acc[r][1] += b * xb;
+    }
+}
+
 /* acc[r][0..1] = init[r] (zero when NULL) + sum over k of x[r, k] * (pass s columns of the
  * panel), one FMA chain per output in increasing k. */
 static inline __attribute__((always_inline)) void micro_kernel(
     const int dt, const int M, const float *x, int64_t ldx, int64_t K, const char *panel,
     const void *gscale, int s, vf acc[][2], const float *init) {
     const int64_t rb = krow_bytes(dt);
-    for (int r = 0; r < M; r++) { /* from zero, or from the sums of the k-blocks before */
-        acc[r][0] = init ? ldf(init + r * MOE_NR + s * VW) : (vf){0};
-        acc[r][1] = init ? ldf(init + r * MOE_NR + 16 + s * VW) : (vf){0};
-    }
+    acc_start(M, s, acc, init);
     if (dt == MOE_W_I4 || dt == MOE_W_FP4) { /* both have groups of 32 (MOE_I4_GROUP) */
         for (int64_t g = 0; g < K; g += MOE_I4_GROUP) {
             vf sa, sb;
@@ -237,13 +255,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
                     a = a - 8.0f;
                     b = b - 8.0f;
                 }
-                a = a * sa;
-                b = b * sb;
-                for (int r = 0; r < M; r++) {
-                    const vf xb = bcast(x[r * ldx + k]);
-                    acc[r][0] += a * xb;
-                    acc[r][1] += b * xb;
-                }
+                fma_rows(M, x, ldx, k, a * sa, b * sb, acc);
             }
         }
         return;
@@ -294,11 +306,7 @@ static inline __attribute__((always_inline)) void micro_kernel(
         vf a, b;
         if (s == 0) prefetch_krow(panel, k, rb); /* pass 0 only: the later passes find it */
         load_pair(dt, panel + k * rb, s, &a, &b);
-        for (int r = 0; r < M; r++) {
-            const vf xb = bcast(x[r * ldx + k]);
-            acc[r][0] += a * xb;
-            acc[r][1] += b * xb;
-        }
+        fma_rows(M, x, ldx, k, a, b, acc);
     }
 }
 
@@ -426,31 +434,19 @@ static inline __attribute__((always_inline)) void micro_kernel_fused(
     const int dt, const int M, const float *x, int64_t ldx, int64_t K, const char *panel,
     vf acc0[][2], vf acc1[][2], const float *init) {
     const int64_t rb = krow_bytes(dt);
-    for (int r = 0; r < M; r++) {
-        acc0[r][0] = init ? ldf(init + r * MOE_NR) : (vf){0};
-        acc0[r][1] = init ? ldf(init + r * MOE_NR + 16) : (vf){0};
-        acc1[r][0] = init ? ldf(init + r * MOE_NR + VW) : (vf){0};
-        acc1[r][1] = init ? ldf(init + r * MOE_NR + 16 + VW) : (vf){0};
-    }
+    acc_start(M, 0, acc0, init);
+    acc_start(M, 1, acc1, init);
     for (int64_t k = 0; k < K; k++) {
         vf a, b;
         prefetch_krow(panel, k, rb);
         /* pass 0's pair, then pass 1's into the same two registers (16 ymm at 3 rows) */
         load_pair(dt, panel + k * rb, 0, &a, &b);
-        for (int r = 0; r < M; r++) {
-            const vf xb = bcast(x[r * ldx + k]);
-            acc0[r][0] += a * xb;
-            acc0[r][1] += b * xb;
-        }
+        fma_rows(M, x, ldx, k, a, b, acc0);
         /* the broadcasts again, from L1: held over from the first half they would take 3
          * registers more (GCC would keep them, and spill an accumulator) */
         __asm__ volatile("" ::: "memory");
         load_pair(dt, panel + k * rb, 1, &a, &b);
-        for (int r = 0; r < M; r++) {
-            const vf xb = bcast(x[r * ldx + k]);
-            acc1[r][0] += a * xb;
-            acc1[r][1] += b * xb;
-        }
+        fma_rows(M, x, ldx, k, a, b, acc1);
     }
 }
 
@@ -639,7 +635,8 @@ static inline void run_tiles(tile_fn tile_of, int mr, const float *x, int64_t ld
                              int64_t t0, int64_t t1) {
     for (int64_t tb = t0; tb < t1;) {
         const int64_t left = t1 - tb;
-        const int m = (int)(left <= mr ? left : left >= 2 * mr || mr != MR ? mr : (left + 1) / 2);
+        int m = (int)(left < mr ? left : mr);
+        if (mr == MR && left > mr && left < 2 * mr) m = (int)(left + 1) / 2;
         tile_of(m, x + tb * ldx, ldx, K, panel, gscale, ep, (int)tb);
         tb += m;
     }
