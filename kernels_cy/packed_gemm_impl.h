@@ -294,11 +294,10 @@ static inline __attribute__((always_inline)) void micro_kernel(
     const void *gscale, int s, vf acc[][2], const float *init, panel_stream *st) {
     const int64_t rb = krow_bytes(dt);
     acc_start(M, s, acc, init);
-    /* i4/fp4: a block a group; bf16 pairs (the AVX512-BF16 and AMX builds' storage, whose
-     * decode is compute-bound) do not stream */
-    stream_walk sw = walk_begin(st, moe_pair_terms(dt)                        ? 0
-                                    : dt == MOE_W_I4 || dt == MOE_W_FP4 ? K / MOE_I4_GROUP
-                                    : (K + STREAM_BLOCK - 1) / STREAM_BLOCK);
+    /* i4/fp4: a block a group (bf16 pairs never stream: plan_gemm) */
+    stream_walk sw = walk_begin(st, dt == MOE_W_I4 || dt == MOE_W_FP4
+                                        ? K / MOE_I4_GROUP
+                                        : (K + STREAM_BLOCK - 1) / STREAM_BLOCK);
     if (dt == MOE_W_I4 || dt == MOE_W_FP4) { /* both have groups of 32 (MOE_I4_GROUP) */
         for (int64_t g = 0; g < K; g += MOE_I4_GROUP) {
             vf sa, sb;
@@ -710,12 +709,17 @@ static inline gemm_plan plan_gemm(const moe_packed *w, int64_t rows, int nthread
     const int64_t P = num_panels(w), chunks = (rows + g.tc - 1) / g.tc;
     /* the part buffer holds an item's rows (in whole tiles) for each panel of its group */
     const int64_t per_panel = (g.tc + g.mr - 1) / g.mr * g.mr * MOE_NR * (int64_t)sizeof(float);
-    g.stream = rows <= STREAM_ROWS;
-    /* unblocked and streaming: groups as long as ~4 items a thread remain to balance */
-    g.group = g.kb < k     ? PART_BYTES / per_panel
-              : g.stream ? P / (4 * (int64_t)(nthreads > 1 ? nthreads : 1))
-                         : 1;
-    g.group = g.group > STREAM_GROUP && g.kb == k ? STREAM_GROUP : g.group;
+    /* bf16 pairs (the AVX512-BF16 and AMX builds' storage, whose decode is compute-bound;
+     * AMX tiles take no stream) do not stream */
+    g.stream = rows <= STREAM_ROWS && !moe_pair_terms(w->dtype);
+    if (g.kb < k) {
+        g.group = PART_BYTES / per_panel;
+    } else if (g.stream) { /* as long as ~4 items a thread remain to balance */
+        g.group = P / (4 * (int64_t)(nthreads > 1 ? nthreads : 1));
+        g.group = g.group > STREAM_GROUP ? STREAM_GROUP : g.group;
+    } else {
+        g.group = 1;
+    }
     g.group = g.group < 1 ? 1 : g.group > P ? P : g.group;
     g.pgroups = (P + g.group - 1) / g.group;
     g.items = g.pgroups * chunks;
