@@ -432,3 +432,36 @@ def test_ensure_measures_a_fast_profile_again_when_a_full_one_is_asked(tiny, tin
     other = tiny.with_weight_storage("bf16x3")
     assert ensure_profile(path, model=other, fast=True)["mode"] == "fast" and asked[1:] == [True]
     assert ensure_profile(path, model=other)["mode"] == "full" and asked[2:] == [False]
+
+
+def test_ensure_with_a_checkpoint_measures_the_engines_in_run_factors(tiny_profile, tiny_mixtral_dir, tmp_path):
+    """Given the checkpoint, the profiler runs the engine on it and records, for its layout, how
+    much longer each part of a step took in the run than the micro-benchmarks predict; the
+    model then prices each part with its factor, and a second ensure keeps the row."""
+    from moe_engine.perf.cost import Policy, traced_component_times
+    from moe_engine.perf.hardware import CALIBRATION_KEY, engine_calibrated
+    from moe_engine.perf.specs import ENGINE_COMPONENTS, layer_layout
+    from moe_engine.tools.profile_engine import FACTOR_BOUNDS
+
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(tiny_profile[1]))
+    model = ModelSpec.from_hf_config(tiny_mixtral_dir)
+    assert not engine_calibrated(tiny_profile[1], model)
+    data = ensure_profile(path, model=model, fast=True, checkpoint=tiny_mixtral_dir)
+    rows = data[CALIBRATION_KEY]
+    assert [r["layout"] for r in rows] == [layer_layout(model)] and engine_calibrated(data, model)
+    row = rows[0]
+    assert row["requests"] >= 8 and row["run_s"] > 0 and row["predicted_s"] > 0
+    for c in ENGINE_COMPONENTS:
+        assert FACTOR_BOUNDS[0] <= row[c] <= FACTOR_BOUNDS[1], (c, row)
+    assert yaml.safe_load(path.read_text())[CALIBRATION_KEY] == rows
+    # each part of the model's prices is scaled by its own factor
+    plain, calibrated = spec_from_figures({**data, CALIBRATION_KEY: []}), spec_from_figures(data)
+    wl = workload_spec_from_lengths([16, 64, 256], [8, 16, 32])
+    policy = Policy(3, 3, False, True, 1.0, 0.0)
+    before = traced_component_times(model, plain, policy, wl)
+    after = traced_component_times(model, calibrated, policy, wl)
+    for c in ENGINE_COMPONENTS:
+        assert after[c] == pytest.approx(before[c] * row[c], rel=1e-9), c
+    # measured once: a second ensure finds the row and runs nothing
+    assert ensure_profile(path, model=model, fast=True, checkpoint=tiny_mixtral_dir)[CALIBRATION_KEY] == rows

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from moe_engine.perf import ModelSpec
-from moe_engine.perf.hardware import HOST_KEYS, cached_profile_path, gemm_shapes
-from moe_engine.perf.specs import layer_layout
+from moe_engine.perf.hardware import CALIBRATION_KEY, HOST_KEYS, cached_profile_path, gemm_shapes
+from moe_engine.perf.specs import ENGINE_COMPONENTS, layer_layout
 from moe_engine.stages import policy as stage
 
 
@@ -65,7 +65,8 @@ def _covering_profile(model) -> dict:
         "layer_ops": [{"layout": layout, "tokens": 1, "pre_attention_us": 1.0, "post_attention_us": 1.0}],
         "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
         "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
-        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}]}
+        "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}],
+        CALIBRATION_KEY: [{"layout": layout, **dict.fromkeys(ENGINE_COMPONENTS, 1.0)}]}
 
 
 def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):
@@ -90,6 +91,20 @@ def test_profile_without_the_layer_layout_runs_the_profiler(tmp_path, monkeypatc
     monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
     stage.ensure_machine_profile(model, model_dir, "auto")
     assert len(calls) == 1 and "--ensure" in calls[0]
+
+
+def test_profile_without_the_in_run_factors_runs_the_profiler(tmp_path, monkeypatch):
+    """A profile with every micro-benchmark of the model but not the engine's in-run factors
+    of its layout: the profiler is run on the checkpoint to measure them."""
+    model_dir, model = _model(tmp_path)
+    path = cached_profile_path(tmp_path / "hw")
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({k: v for k, v in _covering_profile(model).items() if k != CALIBRATION_KEY}))
+    calls = []
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", SimpleNamespace(run=lambda cmd, check: calls.append(cmd)))
+    stage.ensure_machine_profile(model, model_dir, "auto")
+    assert len(calls) == 1 and "--ensure" in calls[0] and str(model_dir) in calls[0]
 
 
 def test_a_fast_profile_serves_fast_runs_and_is_measured_again_for_a_full_one(tmp_path, monkeypatch):

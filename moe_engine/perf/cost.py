@@ -15,7 +15,7 @@ from .roofline import (HEAD_OPS, Processor, cpu_attention_time, cpu_processor, d
                        device_processor, expected_active_experts, expert_ffn_time,
                        o_proj_router_time, pre_attention_time, prefill_attention_time)
 from .schedule import StepBucket, step_trace
-from .specs import HardwareSpec, ModelSpec, WorkloadSpec, blocks_for
+from .specs import ENGINE_COMPONENTS, HardwareSpec, ModelSpec, WorkloadSpec, blocks_for
 
 # Slack factors (docs/perf_model.md explains them).
 # Device: the CUDA context, cuBLAS workspaces and the caching allocator's fragmentation take about
@@ -323,7 +323,15 @@ def layer_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Workloa
 def head_time(m: ModelSpec, hw: HardwareSpec, n_tokens: int, cpu_backend: bool) -> float:
     """Final norm, LM head GEMM and sampling of one step, on the device."""
     dev, _ = _procs(hw, cpu_backend)
-    return dev.gemm(n_tokens, m.hidden_size, m.vocab_size, m.dtype_bytes) + HEAD_OPS * dev.op_overhead_s
+    return ((dev.gemm(n_tokens, m.hidden_size, m.vocab_size, m.dtype_bytes) + HEAD_OPS * dev.op_overhead_s)
+            * dev.factor(m, "head"))
+
+
+def host_time(m: ModelSpec, hw: HardwareSpec, seqs: float, prefill_tokens: float) -> float:
+    """The engine loop's seconds for one step of `seqs` sequences carrying `prefill_tokens`
+    prompt tokens: its per-step, per-sequence and per-prompt-token work."""
+    return ((hw.host_step_s + seqs * hw.host_seq_cost(m.vocab_size) + prefill_tokens * hw.host_token_s)
+            * hw.engine_factor(m, "host"))
 
 
 def _over_layers(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, cpu_backend: bool,
@@ -356,7 +364,7 @@ def decode_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: 
     head = head_time(m, hw, n_tokens, cpu_backend)
     # The engine loop runs between steps on the host, overlapping nothing (the next step's
     # inputs depend on this step's tokens).
-    host = hw.host_step_s + n_tokens * hw.host_seq_cost(m.vocab_size)
+    host = host_time(m, hw, n_tokens, 0.0)
     return StepTimes(totals[0], totals[1], totals[2], head, layers + head + host, host, t_disk)
 
 
@@ -371,8 +379,36 @@ def engine_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Worklo
         lambda moe: layer_step_times(m, hw, policy, wl, step, cpu_backend, moe))
     seqs = step.decode_seqs + step.prefill_prompts
     head = head_time(m, hw, seqs, cpu_backend)
-    host = hw.host_step_s + seqs * hw.host_seq_cost(m.vocab_size) + step.prefill_tokens * hw.host_token_s
+    host = host_time(m, hw, seqs, step.prefill_tokens)
     return StepTimes(totals[0], totals[1], totals[2], head, layers + head + host, host, t_disk)
+
+
+def traced_component_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec) -> dict[str, float]:
+    """Seconds of a bounded run on the CPU backend, replayed step by step as the engine's
+    scheduler runs it (`schedule.step_trace`), per part of a step as the engine times them
+    (ENGINE_COMPONENTS: its EngineStats' dense, attention, ffn, head, and sampling plus
+    scheduling as host). What the profiler sets against the engine's own times of the same
+    run to measure the in-run factors (tools/profile_engine.py)."""
+    cpu = cpu_processor(hw)
+    parts = dict.fromkeys(ENGINE_COMPONENTS, 0.0)
+    for step in step_trace(wl.prompt_lengths, wl.request_gen_lengths, policy.batch_size, policy.prefill_tokens):
+        seqs = step.decode_seqs + step.prefill_prompts
+        n_ub = max(1, min(policy.num_micro_batches, math.ceil(seqs)))
+        tokens, decode = (step.decode_seqs + step.prefill_tokens) / n_ub, step.decode_seqs / n_ub
+        prompts = step.prefill_prompts / n_ub
+        attention = prefill_attention_time(m, cpu, wl, prompts) if prompts else 0.0
+        if decode:
+            attention += cpu_attention_time(m, hw, decode, step.decode_context)
+        dense = pre_attention_time(m, cpu, tokens) + o_proj_router_time(m, cpu, tokens)
+        for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
+            ffn = expert_ffn_time(m, cpu, tokens) if moe else dense_mlp_time(m, cpu, tokens)
+            per_steps = step.steps * count * n_ub
+            parts["dense"] += per_steps * dense
+            parts["attention"] += per_steps * attention
+            parts["ffn"] += per_steps * ffn
+        parts["head"] += step.steps * head_time(m, hw, seqs, True)
+        parts["host"] += step.steps * host_time(m, hw, seqs, step.prefill_tokens)
+    return parts
 
 
 def _traced_run_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec,
@@ -424,7 +460,7 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
             layer_compute = max(layer_compute, io_in, io_out)
         compute += count * layer_compute
     seqs_per_pass = int(math.ceil(chunk / max(1.0, wl.mean_prompt)))
-    host = passes * (hw.host_step_s + seqs_per_pass * hw.host_seq_cost(m.vocab_size)) + total_tokens * hw.host_token_s
+    host = passes * host_time(m, hw, seqs_per_pass, chunk)
     return compute + passes * head_time(m, hw, seqs_per_pass, cpu_backend) + host
 
 

@@ -20,8 +20,8 @@ import yaml
 
 from moe_engine.cpu_features import cpuinfo_field
 from moe_engine.host_alloc import allocator_fingerprint
-from .specs import (GB, TFLOPS, DecodeAttentionPoint, GemmPoint, HardwareSpec, LayerOpsPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
-                    layer_layout)
+from .specs import (ENGINE_COMPONENTS, GB, TFLOPS, DecodeAttentionPoint, EngineFactors, GemmPoint, HardwareSpec,
+                    LayerOpsPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint, layer_layout)
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "config" / "hardware"
 # The compiled decode-attention kernel that model/paged_attention imports when it is built.
@@ -40,7 +40,8 @@ HOST_KEYS = ("host_step_us", "host_seq_us", "host_token_us", "host_logit_ns", "d
 # 3: decode attention over a KV cache in the model's dtype (an fp16 model's was timed on bf16).
 # 4: prefill attention writes its K/V into a cache in the model's dtype (it wrote fp32); the
 # KV rate is read from a cache in huge pages, as the engine's now is (host_alloc).
-PROFILE_METHOD = 4
+# 5: the engine is run on the model's checkpoint to measure its in-run factors (EngineFactors).
+PROFILE_METHOD = 5
 
 # An NVMe SSD's sequential O_DIRECT reads at queue depth 1 with 16 MiB requests (1.1-2.9 GB/s
 # measured on the CI machines); profiles measure the machine's own (disk_read_gbps).
@@ -81,6 +82,9 @@ def spec_from_figures(fig: Mapping[str, Any], gemm_storage: Optional[str] = None
         moe_ffn_points=tuple(
             MoeFfnPoint(str(r["layout"]), int(r["tokens"]), float(r["us_per_call"]) * 1e-6)
             for r in fig.get("moe_ffn") or ()),
+        engine_factors=tuple(
+            EngineFactors(str(r["layout"]), **{c: float(r[c]) for c in ENGINE_COMPONENTS})
+            for r in fig.get(CALIBRATION_KEY) or ()),
         notes=str(fig.get("attention_kernel", "")),
     )
 
@@ -264,6 +268,24 @@ def gemms_covered(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
     return (all(k in data for k in HOST_KEYS)
             and all((i, o, m.dtype_bytes, m.weight_storage) in have
                     for m in models for i, o in gemm_shapes(m)))
+
+
+# The in-run factors per layout (EngineFactors), measured by running the engine on a checkpoint.
+CALIBRATION_KEY = "engine_calibration"
+
+
+def calibration_applies(m: ModelSpec) -> bool:
+    """Whether the profiler runs the engine on the model to measure its in-run factors: for a
+    profiled layout (`layer_ops_profiled`) held as the engine holds a checkpoint by default
+    (experts and dense weights in the model dtype on the packed kernels); other layouts keep
+    the micro-benchmarks' figures (factor 1)."""
+    return layer_ops_profiled(m) and m.expert_storage is None and m.weight_storage is None
+
+
+def engine_calibrated(data: Mapping[str, Any], m: ModelSpec) -> bool:
+    """Whether a profile has the in-run factors of m's layout, or m gets none."""
+    return (not calibration_applies(m)
+            or any(r["layout"] == layer_layout(m) for r in data.get(CALIBRATION_KEY) or ()))
 
 
 def profile_covers(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:

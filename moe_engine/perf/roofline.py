@@ -16,8 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .specs import (GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint, PrefillAttentionPoint,
-                    WorkloadSpec, layer_layout)
+from .specs import (EngineFactors, GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint,
+                    PrefillAttentionPoint, WorkloadSpec, engine_factor, layer_layout)
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,7 @@ class Processor:
     layer_ops_points: tuple[LayerOpsPoint, ...] = ()
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
     moe_ffn_points: tuple[MoeFfnPoint, ...] = ()
+    engine_factors: tuple[EngineFactors, ...] = ()
     _gemm_memo: dict[tuple[float, int, int, float], float] = field(default_factory=dict, init=False, repr=False)
 
     def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
@@ -144,6 +145,10 @@ class Processor:
             t = self._gemm_memo[key] = gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw,
                                                  self.gemm_points)
         return t
+
+    def factor(self, m: ModelSpec, component: str) -> float:
+        """The in-run factor of one part of m's layers on this unit (HardwareSpec.engine_factor)."""
+        return engine_factor(self.engine_factors, m, component)
 
     def layer_ops(self, m: ModelSpec, tokens: float) -> tuple[float, float] | None:
         """Profiled (before, after attention) element-wise seconds of one of `m`'s layers at
@@ -180,14 +185,15 @@ def device_processor(hw: HardwareSpec) -> Processor:
     return Processor(hw.device_flops, hw.device_bw, hw.gemm_points, hw.op_overhead_s,
                      hw.layer_ops_points if cpu_only else (),
                      hw.prefill_attention_points if cpu_only else (),
-                     hw.moe_ffn_points if cpu_only else ())
+                     hw.moe_ffn_points if cpu_only else (),
+                     hw.engine_factors if cpu_only else ())
 
 
 @lru_cache(maxsize=4)
 def cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
     return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,
-                     hw.prefill_attention_points, hw.moe_ffn_points)
+                     hw.prefill_attention_points, hw.moe_ffn_points, hw.engine_factors)
 
 
 @lru_cache(maxsize=256)
@@ -242,7 +248,7 @@ def pre_attention_time(m: ModelSpec, proc: Processor, mu: float) -> float:
             t += proc.gemm(mu, a.q_lora_rank, m.q_size, m.dtype_bytes)
         t += _per_head_time(m, proc, mu, a.qk_nope_head_dim, a.kv_lora_rank)
     ops = proc.layer_ops(m, mu)
-    return t + (ops[0] if ops is not None else _PRE_ATTN_OPS * proc.op_overhead_s)
+    return (t + (ops[0] if ops is not None else _PRE_ATTN_OPS * proc.op_overhead_s)) * proc.factor(m, "dense")
 
 
 def _per_head_time(m: ModelSpec, proc: Processor, mu: float, inp: int, out: int) -> float:
@@ -259,7 +265,7 @@ def o_proj_router_time(m: ModelSpec, proc: Processor, mu: float) -> float:
         t += _per_head_time(m, proc, mu, m.mla.kv_lora_rank, m.mla.v_head_dim)
     t += proc.gemm(mu, m.hidden_size, m.num_experts, m.dtype_bytes)
     ops = proc.layer_ops(m, mu)
-    return t + (ops[1] if ops is not None else _POST_ATTN_OPS * proc.op_overhead_s)
+    return (t + (ops[1] if ops is not None else _POST_ATTN_OPS * proc.op_overhead_s)) * proc.factor(m, "dense")
 
 
 def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
@@ -279,7 +285,7 @@ def expert_ffn_time(m: ModelSpec, proc: Processor, mu: float) -> float:
                       + _OPS_PER_EXPERT * proc.op_overhead_s)
     if m.shared_expert_intermediate_size:
         t += _swiglu_time(proc, mu, m.hidden_size, m.shared_expert_intermediate_size, m.dtype_bytes)
-    return t
+    return t * proc.factor(m, "ffn")
 
 
 def _swiglu_time(proc: Processor, tokens: float, h: int, inter: int, dtype_bytes: float) -> float:
@@ -289,7 +295,7 @@ def _swiglu_time(proc: Processor, tokens: float, h: int, inter: int, dtype_bytes
 
 def dense_mlp_time(m: ModelSpec, proc: Processor, mu: float) -> float:
     """The dense MLP of a non-MoE layer for `mu` tokens."""
-    return _swiglu_time(proc, mu, m.hidden_size, m.dense_intermediate_size, m.dtype_bytes)
+    return _swiglu_time(proc, mu, m.hidden_size, m.dense_intermediate_size, m.dtype_bytes) * proc.factor(m, "ffn")
 
 
 def decode_attention_cost(m: ModelSpec, mu: float, ctx: float) -> OpCost:
@@ -312,7 +318,7 @@ def cpu_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float) ->
     bw = hw.cpu_attention_bw or hw.cpu_bw
     curve = _layout_curve(hw.decode_attention_points, layer_layout(m)) if hw.decode_attention_points else None
     call = _interp_time(curve, mu) if curve is not None else _ATTN_OPS * hw.op_overhead_s
-    return roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + call
+    return (roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + call) * hw.engine_factor(m, "attention")
 
 
 def device_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float, kv_on_device: float) -> float:
@@ -338,6 +344,7 @@ def prefill_attention_time(m: ModelSpec, proc: Processor, wl: WorkloadSpec, prom
             per_prompt = _mean_prompt_time(curve, wl.prompt_lengths)
         else:
             per_prompt = _interp_time(curve, wl.mean_prompt)
-        return prompts * per_prompt
+        return prompts * per_prompt * proc.factor(m, "attention")
     flops = prefill_attention_flops(m, wl.sum_prompt_sq) * prompts
-    return flops / proc.flops + (ATTN_OPS + PREFILL_OPS_PER_SEQ * prompts) * proc.op_overhead_s
+    launches = (ATTN_OPS + PREFILL_OPS_PER_SEQ * prompts) * proc.op_overhead_s
+    return (flops / proc.flops + launches) * proc.factor(m, "attention")

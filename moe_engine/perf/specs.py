@@ -17,7 +17,7 @@ TFLOPS = 1e12
 
 __all__ = ["GB", "TFLOPS", "ModelSpec", "UnsupportedModelError", "dtype_bytes_of", "GemmPoint", "HardwareSpec",
            "LayerOpsPoint", "LayoutPoint", "PrefillAttentionPoint", "DecodeAttentionPoint", "MoeFfnPoint", "WorkloadSpec", "layer_layout",
-           "workload_spec_from_lengths", "blocks_for"]
+           "workload_spec_from_lengths", "blocks_for", "ENGINE_COMPONENTS", "EngineFactors", "engine_factor"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,25 @@ DecodeAttentionPoint = LayoutPoint
 # weighted sum in one parallel region; its weights read from DRAM unless the model fits the
 # cache.
 MoeFfnPoint = LayoutPoint
+
+# The parts of a step the engine times apart (EngineStats) and the model prices apart.
+ENGINE_COMPONENTS = ("dense", "attention", "ffn", "head", "host")
+
+
+@dataclass(frozen=True)
+class EngineFactors:
+    """How much longer each part of a step takes inside the engine's run than the profiler's
+    micro-benchmarks say, for one layer layout, measured by running the engine itself on the
+    model (profile_engine): each micro-benchmark times its part alone and warm, while in a
+    run every part finds its tensors evicted by the parts before it (the KV cache, the LM
+    head's logits) and the heap in another state (tiny-mixtral's default run: 1.3-2x)."""
+
+    layout: str
+    dense: float = 1.0  # norms, QKV/O projections, RoPE, router
+    attention: float = 1.0  # K/V write, prefill and decode attention
+    ffn: float = 1.0  # routed experts (and a dense layer's MLP)
+    head: float = 1.0  # final norm and LM head
+    host: float = 1.0  # the engine loop: scheduling, inputs, sampling
 
 
 def layer_layout(m: ModelSpec) -> str:
@@ -124,6 +143,8 @@ class HardwareSpec:
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
     decode_attention_points: tuple[DecodeAttentionPoint, ...] = ()
     moe_ffn_points: tuple[MoeFfnPoint, ...] = ()
+    # Measured in-run over micro-benchmark ratios per layer layout (EngineFactors).
+    engine_factors: tuple[EngineFactors, ...] = ()
     notes: str = ""
 
     @property
@@ -143,6 +164,11 @@ class HardwareSpec:
     def __getstate__(self) -> dict:
         # Not the cached hash: another process hashes strings with another seed.
         return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
+
+    def engine_factor(self, m: ModelSpec, component: str) -> float:
+        """The in-run factor of `component` (ENGINE_COMPONENTS) for m's layer layout; 1 where
+        the engine was not run on it here."""
+        return engine_factor(self.engine_factors, m, component)
 
     def host_seq_cost(self, vocab_size: int) -> float:
         """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
@@ -224,6 +250,17 @@ def workload_spec_from_lengths(prompt_lengths: Sequence[int], gen_len: int | Seq
     return WorkloadSpec(mean_prompt=sum(lengths) / len(lengths), max_prompt=max(lengths),
                         gen_len=max(1, round(sum(gens) / len(gens))), num_requests=len(lengths),
                         prompt_lengths=lengths, gen_lengths=gens)
+
+
+def engine_factor(factors: tuple[EngineFactors, ...], m: ModelSpec, component: str) -> float:
+    """`component`'s factor of m's layout among `factors`, 1 when it has none."""
+    if not factors:
+        return 1.0
+    layout = layer_layout(m)
+    for f in factors:
+        if f.layout == layout:
+            return getattr(f, component)
+    return 1.0
 
 
 def blocks_for(tokens: float, block_size: int) -> int:

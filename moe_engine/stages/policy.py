@@ -112,9 +112,10 @@ def _tiles(tiles: Optional[bool]) -> bool:
 
 def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
     """Measure this machine (hardware.profile=auto) if its cached profile is missing or lacks the
-    model's GEMM shapes. The profiler runs as its own process: it needs torch and the kernels,
-    which the performance model must not import."""
-    from moe_engine.perf.hardware import cached_profile_path, load_profile, profile_serves
+    model's GEMM shapes, layer layout or in-run factors (measured on `model_dir`). The profiler
+    runs as its own process: it needs torch and the kernels, which the performance model must
+    not import."""
+    from moe_engine.perf.hardware import cached_profile_path, engine_calibrated, load_profile, profile_serves
 
     # MOE_BATCH_PROFILE=fast: fewer token counts and shorter timings (~10 s instead of ~45 s;
     # the test suite's choice, whose workflows need a profile and not its precision)
@@ -122,8 +123,10 @@ def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
     if mode not in ("full", "fast"):
         raise ValueError(f"MOE_BATCH_PROFILE={mode!r}: expected 'full' or 'fast'")
     path = cached_profile_path(hardware_cache_dir())
-    if path.exists() and profile_serves(load_profile(path), [model], fast=mode == "fast"):
-        return
+    if path.exists():
+        data = load_profile(path)
+        if profile_serves(data, [model], fast=mode == "fast") and engine_calibrated(data, model):
+            return
     cmd = [sys.executable, "-m", "moe_engine.tools.profile_hardware", "--ensure", "--out", str(path),
            "--model", str(model_dir)]
     if dtype != "auto":

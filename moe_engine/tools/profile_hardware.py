@@ -32,7 +32,8 @@ from moe_engine.host_alloc import huge_page_zeros, tune_host_allocator
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
-from moe_engine.perf.hardware import (HOST_KEYS, LAYOUT_KEYS, gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
+from moe_engine.perf.hardware import (CALIBRATION_KEY, HOST_KEYS, LAYOUT_KEYS, calibration_applies, engine_calibrated,
+                                      gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, machine_fingerprint, profile_covers, profile_mode_serves,
                                       total_memory_bytes)
 from moe_engine.model.spec import (BF16X3_STORAGE, EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE,
@@ -452,11 +453,37 @@ def learn_disk_rate(path: Path | str, offload_stats: dict[str, Any]) -> Optional
     return gbps
 
 
-def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False) -> dict[str, Any]:
+def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool = False,
+                   checkpoint: Optional[Path] = None) -> dict[str, Any]:
     """The cached profile at `path`, measured (or extended with `model`'s GEMM shapes and layer
     layout) if needed. A profile from before the layer-layout points gets only those measured;
-    a fast one, when a full one is asked for, is measured again (profile_mode_serves)."""
-    path = Path(path)
+    a fast one, when a full one is asked for, is measured again (profile_mode_serves). Given
+    the model's `checkpoint`, the engine's in-run factors of its layout are measured on it
+    too where the profile lacks them (calibrate)."""
+    data = _ensure_figures(Path(path), model, fast)
+    if model is not None and checkpoint is not None and not engine_calibrated(data, model):
+        calibrate(data, [(model, checkpoint)], fast)
+        write_profile(data, path)
+    return data
+
+
+def calibrate(data: dict[str, Any], models: list[tuple[ModelSpec, Optional[Path]]], fast: bool,
+              threads: int = 0) -> None:
+    """Add to the profile `data` the in-run factors (profile_engine) of each model that has a
+    checkpoint and gets them (calibration_applies), replacing its layout's earlier row."""
+    from moe_engine.tools.profile_engine import measure_engine_factors
+
+    for m, checkpoint in models:
+        if checkpoint is None or not calibration_applies(m):
+            continue
+        with _threads(threads) as cores:
+            row = measure_engine_factors(checkpoint, m, data, fast, cores)
+        data[CALIBRATION_KEY] = ([r for r in data.get(CALIBRATION_KEY) or () if r["layout"] != row["layout"]]
+                                 + [row])
+
+
+def _ensure_figures(path: Path, model: ModelSpec | None, fast: bool) -> dict[str, Any]:
+    """ensure_profile's micro-benchmark figures."""
     models = [model] if model is not None else []
     data = load_profile(path) if path.exists() else None
     if data is not None and not profile_mode_serves(data, fast):
@@ -481,6 +508,8 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
         for key in LAYOUT_KEYS:
             data[key] = ([r for r in data.get(key) or () if r["layout"] not in layouts]
                          + [r for r in measured[key] if r["layout"] in layouts])
+        # In-run factors are relative to the figures they were measured against.
+        data[CALIBRATION_KEY] = [r for r in data.get(CALIBRATION_KEY) or () if r["layout"] not in layouts]
         if fast:  # it now holds fast figures: a full run measures it anew (profile_mode_serves)
             data["mode"] = "fast"
     else:
@@ -554,7 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ensure", action="store_true",
                         help="keep the profile at --out and measure only what it lacks for the models")
     args = parser.parse_args(argv)
+    from moe_engine.tools.presets import PRESETS
+
     models = [resolve_model(m, args.dtype) for m in args.model] or [_default_model()]
+    # A checkpoint directory (not a preset) is run by the engine to calibrate its layout.
+    checkpoints = [None if m in PRESETS or not Path(m).is_dir() else Path(m) for m in args.model] or [None]
     if args.expert_storage:
         held = None if args.expert_storage == MODEL_DTYPE_STORAGE else args.expert_storage
         models = [m.with_expert_storage(held) for m in models]
@@ -562,11 +595,12 @@ def main(argv: list[str] | None = None) -> int:
         models = [m.with_weight_storage(args.weight_storage) for m in models]
     out = args.out or hardware_cache_dir() / f"{machine_fingerprint()}.yaml"
     if args.ensure:
-        for m in models:
-            ensure_profile(out, model=m, fast=args.fast)
+        for m, checkpoint in zip(models, checkpoints):
+            ensure_profile(out, model=m, fast=args.fast, checkpoint=checkpoint)
         print(f"profile at {out} covers {', '.join(m.name for m in models)}")
         return 0
     data = profile_machine(models, fast=args.fast, threads=args.threads)
+    calibrate(data, list(zip(models, checkpoints)), args.fast, args.threads)
     write_profile(data, out)
     print(f"profile written to {out} in {data['profile_seconds']} s: read {data['cpu_bw_gbps']} GB/s, "
           f"copy {data['link_gbps']} GB/s, GEMM peak {data['device_tflops'] * 1e3:.0f} GFLOP/s, "

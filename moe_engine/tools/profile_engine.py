@@ -1,0 +1,104 @@
+"""Runs the engine itself on a model's checkpoint to measure its in-run factors (EngineFactors).
+
+The profiler's micro-benchmarks time each part of a step alone, many times over on the same
+tensors: warm caches, a heap that hands back the same pages, one OpenMP team kept busy. In a
+run each part finds its tensors evicted by the parts before it (the KV cache the attention
+streams, the LM head's logits, the step's scheduling) and the heap in another state. On
+tiny-mixtral's default run that made the QKV/O part 1.7-2x, attention 1.3-1.5x and the experts
+1.1-1.3x their micro-benchmark, and the report's predicted throughput 36-66% above the engine's.
+Here a short bounded run of the engine (prompts of several lengths, generation lengths that
+drain the batch step by step, continuous batching) is timed part by part (EngineStats) and set
+against what the model predicts from the micro-benchmarks for the same steps
+(`perf.cost.traced_component_times`); the ratio of each part is the layout's factor. It is
+what MoE-Lens's pipeline profiler does: measure the pipeline as it runs, not its parts alone.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from moe_engine.perf.cost import Policy, traced_component_times
+from moe_engine.perf.hardware import spec_from_figures
+from moe_engine.perf.specs import ENGINE_COMPONENTS, ModelSpec, layer_layout, workload_spec_from_lengths
+
+PROMPT_CYCLE = (16, 32, 64, 128, 256)
+GEN_CYCLE = (8, 16, 32, 64)
+# The largest that the model predicts to run within the budget: more steps average the noise.
+REQUEST_COUNTS = (256, 128, 64, 32, 16, 8)
+BUDGET_S = {True: 1.5, False: 4.0}  # predicted seconds of one run, by fast mode
+REPEATS = {True: 1, False: 3}
+PREFILL_TOKENS = 2048  # the engine's default pass
+# A factor outside these bounds says the run went wrong (another process took the cores for
+# part of it), not that the micro-benchmarks are that far off: it is clamped.
+FACTOR_BOUNDS = (0.5, 4.0)
+
+
+def calibration_lengths(count: int, max_len: int) -> tuple[list[int], list[int]]:
+    """Prompt and generation lengths of `count` requests: every prompt length with every
+    generation length, in turn, cut to fit `max_len` tokens in all."""
+    prompts, gens = [], []
+    for i in range(count):
+        g = GEN_CYCLE[(i // len(PROMPT_CYCLE)) % len(GEN_CYCLE)]
+        p = min(PROMPT_CYCLE[i % len(PROMPT_CYCLE)], max(1, max_len - g))
+        prompts.append(p)
+        gens.append(g)
+    return prompts, gens
+
+
+def _policy(count: int) -> Policy:
+    """The engine's run as the model sees it: every request admitted at once, one micro-batch."""
+    return Policy(count, count, False, True, 1.0, 0.0, PREFILL_TOKENS)
+
+
+def measure_engine_factors(checkpoint: Path | str, m: ModelSpec, data: dict[str, Any], fast: bool,
+                           threads: int) -> dict[str, Any]:
+    """The in-run factors of m's layout, from the engine run on `checkpoint` (whose spec is m)
+    against the model priced with the profile `data` (its micro-benchmark figures only).
+    Returns the profile row: the layout, one factor per ENGINE_COMPONENTS, the requests run
+    and the measured and predicted seconds of one run."""
+    from moe_engine.config import EngineConfig
+    from moe_engine.engine.llm_engine import LLMEngine
+    from moe_engine.engine.request import Request, SamplingParams
+
+    hw = replace(spec_from_figures(data, m.weight_storage), engine_factors=())
+    count = REQUEST_COUNTS[-1]
+    for n in REQUEST_COUNTS:
+        prompts, gens = calibration_lengths(n, m.max_position_embeddings)
+        if sum(traced_component_times(m, hw, _policy(n), workload_spec_from_lengths(prompts, gens)).values()) \
+                <= BUDGET_S[fast]:
+            count = n
+            break
+    prompts, gens = calibration_lengths(count, m.max_position_embeddings)
+    predicted = traced_component_times(m, hw, _policy(count), workload_spec_from_lengths(prompts, gens))
+    tokens = sum(prompts) + sum(gens) + 2 * count * 16  # a block of slack per sequence
+    kv_gb = 1.5 * tokens * m.num_layers * m.kv_bytes_per_token_layer / 1e9 + 0.01
+    config = EngineConfig(threads=threads, kv_cache_gb=kv_gb, max_num_seqs=count,
+                          max_prefill_tokens=PREFILL_TOKENS, num_micro_batches=1)
+    rng = random.Random(0)
+    requests = [[rng.randrange(3, m.vocab_size) for _ in range(p)] for p in prompts]
+    engine = LLMEngine(checkpoint, config, dtype=m.torch_dtype)
+    runs: list[dict[str, float]] = []
+    seconds: list[float] = []
+    try:
+        for _ in range(REPEATS[fast]):
+            started = time.perf_counter()
+            for _ in engine.generate(Request(f"calibrate-{i}", prompt_token_ids=ids,
+                                             sampling=SamplingParams(max_new_tokens=g, ignore_eos=True))
+                                     for i, (ids, g) in enumerate(zip(requests, gens))):
+                pass
+            seconds.append(time.perf_counter() - started)
+            s = engine.stats
+            runs.append({"dense": s.dense_time_s, "attention": s.attention_time_s, "ffn": s.ffn_time_s,
+                         "head": s.head_time_s, "host": s.sampling_time_s + s.schedule_time_s})
+    finally:
+        engine.close()
+    low, high = FACTOR_BOUNDS
+    factors = {c: round(min(high, max(low, statistics.median(r[c] for r in runs) / predicted[c]))
+                        if predicted[c] > 0 else 1.0, 3)
+               for c in ENGINE_COMPONENTS}
+    return {"layout": layer_layout(m), **factors, "requests": count,
+            "run_s": round(statistics.median(seconds), 3), "predicted_s": round(sum(predicted.values()), 3)}
