@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_engine.perf import ModelSpec, apply_policy, choose_policy, workload_spec_from_lengths
     from moe_engine.io import hardware_cache_dir
     from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
-    from moe_engine.tools.profile_hardware import ensure_profile, profile_machine, write_profile
+    from moe_engine.tools.profile_hardware import calibrate, ensure_profile, profile_machine, write_profile
     from moe_engine.engine.request import Request, SamplingParams
 
     model_dir = ensure_builtin(args.model, args.resources)
@@ -81,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure_and_predict(label: str):
         t0 = time.perf_counter()
+        # Both with the engine's in-run factors measured on the checkpoint, as the policy
+        # stage's profile has them.
         if args.cached_profile:
-            profile = ensure_profile(cache, model=model, fast=args.fast_profile)
+            profile = ensure_profile(cache, model=model, fast=args.fast_profile, checkpoint=model_dir)
         else:
             profile = profile_machine([model], fast=args.fast_profile, threads=args.threads)
+            calibrate(profile, [(model, model_dir)], args.fast_profile, args.threads)
             if not args.threads:
                 write_profile(profile, cache)
         result = choose_policy(model, spec_from_figures(profile, model.weight_storage), wl,
