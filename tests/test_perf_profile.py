@@ -465,3 +465,28 @@ def test_ensure_with_a_checkpoint_measures_the_engines_in_run_factors(tiny_profi
         assert after[c] == pytest.approx(before[c] * row[c], rel=1e-9), c
     # measured once: a second ensure finds the row and runs nothing
     assert ensure_profile(path, model=model, fast=True, checkpoint=tiny_mixtral_dir)[CALIBRATION_KEY] == rows
+
+
+def test_a_failed_calibration_run_keeps_factor_one_and_is_not_retried(tiny_profile, tiny_mixtral_dir, tmp_path,
+                                                                      monkeypatch, capsys):
+    """The calibration run failing (a checkpoint the engine cannot load, say) leaves the model
+    priced as before and says so; the row it records stops the policy stage from running the
+    profiler again every time. A model too large for the run keeps factor 1 without a run."""
+    from dataclasses import replace
+
+    from moe_engine.perf.hardware import CALIBRATION_KEY, calibration_applies, engine_calibrated
+    from moe_engine.tools import profile_engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot load")
+
+    monkeypatch.setattr(profile_engine, "measure_engine_factors", broken)
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(tiny_profile[1]))
+    model = ModelSpec.from_hf_config(tiny_mixtral_dir)
+    data = ensure_profile(path, model=model, fast=True, checkpoint=tiny_mixtral_dir)
+    (row,) = data[CALIBRATION_KEY]
+    assert row["dense"] == row["ffn"] == 1.0 and "cannot load" in row["error"]
+    assert engine_calibrated(data, model) and "cannot load" in capsys.readouterr().err
+    huge = replace(model, num_layers=10**6)
+    assert not calibration_applies(huge, 24 * 2**30) and engine_calibrated({"host_memory_gb": 24}, huge)

@@ -274,17 +274,24 @@ def gemms_covered(data: Mapping[str, Any], models: Sequence[ModelSpec]) -> bool:
 CALIBRATION_KEY = "engine_calibration"
 
 
-def calibration_applies(m: ModelSpec) -> bool:
+# The calibration run holds every weight in host memory: only models within this share of it.
+CALIBRATION_MEMORY_SHARE = 0.5
+
+
+def calibration_applies(m: ModelSpec, host_memory: float) -> bool:
     """Whether the profiler runs the engine on the model to measure its in-run factors: for a
     profiled layout (`layer_ops_profiled`) held as the engine holds a checkpoint by default
-    (experts and dense weights in the model dtype on the packed kernels); other layouts keep
-    the micro-benchmarks' figures (factor 1)."""
-    return layer_ops_profiled(m) and m.expert_storage is None and m.weight_storage is None
+    (experts and dense weights in the model dtype on the packed kernels) whose weights fit in
+    CALIBRATION_MEMORY_SHARE of `host_memory` bytes (the run keeps them all resident; a model
+    for the disk tier would not fit); other models keep the micro-benchmarks' figures (factor 1)."""
+    return (layer_ops_profiled(m) and m.expert_storage is None and m.weight_storage is None
+            and m.total_bytes <= CALIBRATION_MEMORY_SHARE * host_memory)
 
 
 def engine_calibrated(data: Mapping[str, Any], m: ModelSpec) -> bool:
     """Whether a profile has the in-run factors of m's layout, or m gets none."""
-    return (not calibration_applies(m)
+    host_memory = float(data.get("host_memory_gb") or total_memory_bytes() / GB) * GB
+    return (not calibration_applies(m, host_memory)
             or any(r["layout"] == layer_layout(m) for r in data.get(CALIBRATION_KEY) or ()))
 
 
@@ -311,6 +318,16 @@ class ProfileMissing(FileNotFoundError):
     """hardware.profile=auto and the machine's cached profile is absent or lacks the model."""
 
 
+def config_figures(hw) -> dict[str, Any]:
+    """A HardwareConfig's figures in spec_from_figures' keys: what a profile's figures replace
+    and what they fall back on where a profile lacks one."""
+    figures = {k: getattr(hw, k) for k in ("name", "device", "device_memory_gb", "host_memory_gb", "link_gbps",
+                                           "device_bw_gbps", "cpu_bw_gbps", "device_tflops", "cpu_tflops",
+                                           "cpu_cores", "disk_read_gbps")}
+    figures["device"] = getattr(figures["device"], "value", figures["device"])
+    return figures
+
+
 def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None = None) -> HardwareSpec:
     """HardwareSpec for a HardwareConfig (the `hardware` group of the Hydra config).
 
@@ -321,10 +338,7 @@ def hardware_spec_from_config(hw, cache_dir: Path | str, model: ModelSpec | None
     replace the config's; capacities the profile did not measure (device memory on a CUDA machine
     is measured, host memory always) come from the profile too.
     """
-    figures = {k: getattr(hw, k) for k in ("name", "device", "device_memory_gb", "host_memory_gb", "link_gbps",
-                                           "device_bw_gbps", "cpu_bw_gbps", "device_tflops", "cpu_tflops",
-                                           "cpu_cores", "disk_read_gbps")}
-    figures["device"] = getattr(figures["device"], "value", figures["device"])
+    figures = config_figures(hw)
     profile = getattr(hw, "profile", None)
     if profile is None:
         return spec_from_figures(figures)

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from moe_engine.perf.cost import Policy, traced_component_times
-from moe_engine.perf.hardware import spec_from_figures
+from moe_engine.perf.hardware import config_figures, spec_from_figures
 from moe_engine.perf.specs import ENGINE_COMPONENTS, ModelSpec, layer_layout, workload_spec_from_lengths
 
 PROMPT_CYCLE = (16, 32, 64, 128, 256)
 GEN_CYCLE = (8, 16, 32, 64)
 # The largest that the model predicts to run within the budget: more steps average the noise.
 REQUEST_COUNTS = (256, 128, 64, 32, 16, 8)
-BUDGET_S = {True: 1.5, False: 4.0}  # predicted seconds of one run, by fast mode
+BUDGET_S = {True: 0.5, False: 4.0}  # predicted seconds of one run, by fast mode (tests: 0.5)
 REPEATS = {True: 1, False: 3}
 PREFILL_TOKENS = 2048  # the engine's default pass
 # A factor outside these bounds says the run went wrong (another process took the cores for
@@ -60,11 +60,13 @@ def measure_engine_factors(checkpoint: Path | str, m: ModelSpec, data: dict[str,
     against the model priced with the profile `data` (its micro-benchmark figures only).
     Returns the profile row: the layout, one factor per ENGINE_COMPONENTS, the requests run
     and the measured and predicted seconds of one run."""
-    from moe_engine.config import EngineConfig
+    from moe_engine.config import EngineConfig, HardwareConfig
     from moe_engine.engine.llm_engine import LLMEngine
     from moe_engine.engine.request import Request, SamplingParams
 
-    hw = replace(spec_from_figures(data, m.weight_storage), engine_factors=())
+    # The profile's figures over the config's defaults, as hardware.profile=auto reads them.
+    hw = spec_from_figures({**config_figures(HardwareConfig()), **data}, m.weight_storage)
+    hw = replace(hw, engine_factors=())
     count = REQUEST_COUNTS[-1]
     for n in REQUEST_COUNTS:
         prompts, gens = calibration_lengths(n, m.max_position_embeddings)

@@ -38,7 +38,7 @@ from moe_engine.perf.hardware import (CALIBRATION_KEY, HOST_KEYS, LAYOUT_KEYS, c
                                       total_memory_bytes)
 from moe_engine.model.spec import (BF16X3_STORAGE, EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE,
                                    TORCH_GEMM_STORAGE)
-from moe_engine.perf.specs import GB, ModelSpec, layer_layout
+from moe_engine.perf.specs import ENGINE_COMPONENTS, GB, ModelSpec, layer_layout
 from moe_engine.tools.profile_layer_ops import activation_dtype, kv_cache_dtype, on_packed_kernels
 from moe_engine.tools.timing import median_time, rotation_copies
 
@@ -474,10 +474,18 @@ def calibrate(data: dict[str, Any], models: list[tuple[ModelSpec, Optional[Path]
     from moe_engine.tools.profile_engine import measure_engine_factors
 
     for m, checkpoint in models:
-        if checkpoint is None or not calibration_applies(m):
+        if checkpoint is None or not calibration_applies(m, total_memory_bytes()):
             continue
         with _threads(threads) as cores:
-            row = measure_engine_factors(checkpoint, m, data, fast, cores)
+            try:
+                row = measure_engine_factors(checkpoint, m, data, fast, cores)
+            except Exception as exc:  # noqa: BLE001 - a failed run leaves the model as it was
+                # Recorded with factor 1, so the policy stage does not run it again each time;
+                # the job itself will meet the same checkpoint and say what is wrong with it.
+                print(f"profile_hardware: the engine's calibration run failed on {checkpoint} "
+                      f"({type(exc).__name__}: {exc}); its in-run factors stay 1", file=sys.stderr)
+                row = {"layout": layer_layout(m), **dict.fromkeys(ENGINE_COMPONENTS, 1.0),
+                       "error": f"{type(exc).__name__}: {exc}"}
         data[CALIBRATION_KEY] = ([r for r in data.get(CALIBRATION_KEY) or () if r["layout"] != row["layout"]]
                                  + [row])
 
