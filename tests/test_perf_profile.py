@@ -490,3 +490,4 @@ def test_a_failed_calibration_run_keeps_factor_one_and_is_not_retried(tiny_profi
     assert engine_calibrated(data, model) and "cannot load" in capsys.readouterr().err
     huge = replace(model, num_layers=10**6)
     assert not calibration_applies(huge, 24 * 2**30) and engine_calibrated({"host_memory_gb": 24}, huge)
+    assert engine_calibrated({"device": "cuda"}, model) and not engine_calibrated({}, model)

@@ -289,9 +289,10 @@ def calibration_applies(m: ModelSpec, host_memory: float) -> bool:
 
 
 def engine_calibrated(data: Mapping[str, Any], m: ModelSpec) -> bool:
-    """Whether a profile has the in-run factors of m's layout, or m gets none."""
+    """Whether a profile has the in-run factors of m's layout, or m gets none (a CUDA machine's
+    profile: the run calibrates the CPU backend's parts; not yet measured on the device's)."""
     host_memory = float(data.get("host_memory_gb") or total_memory_bytes() / GB) * GB
-    return (not calibration_applies(m, host_memory)
+    return (data.get("device", "cpu") != "cpu" or not calibration_applies(m, host_memory)
             or any(r["layout"] == layer_layout(m) for r in data.get(CALIBRATION_KEY) or ()))
 
 

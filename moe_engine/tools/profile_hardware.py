@@ -473,6 +473,8 @@ def calibrate(data: dict[str, Any], models: list[tuple[ModelSpec, Optional[Path]
     checkpoint and gets them (calibration_applies), replacing its layout's earlier row."""
     from moe_engine.tools.profile_engine import measure_engine_factors
 
+    if data.get("device", "cpu") != "cpu":
+        return  # engine_calibrated: a CUDA machine's parts are not calibrated yet
     for m, checkpoint in models:
         if checkpoint is None or not calibration_applies(m, total_memory_bytes()):
             continue
