@@ -434,7 +434,8 @@ def test_ensure_measures_a_fast_profile_again_when_a_full_one_is_asked(tiny, tin
     assert ensure_profile(path, model=other)["mode"] == "full" and asked[2:] == [False]
 
 
-def test_ensure_with_a_checkpoint_measures_the_engines_in_run_factors(tiny_profile, tiny_mixtral_dir, tmp_path):
+def test_ensure_with_a_checkpoint_measures_the_engines_in_run_factors(tiny_profile, tiny_mixtral_dir, tmp_path,
+                                                                       monkeypatch):
     """Given the checkpoint, the profiler runs the engine on it and records, for its layout, how
     much longer each part of a step took in the run than the micro-benchmarks predict; the
     model then prices each part with its factor, and a second ensure keeps the row."""
@@ -451,7 +452,8 @@ def test_ensure_with_a_checkpoint_measures_the_engines_in_run_factors(tiny_profi
     rows = data[CALIBRATION_KEY]
     assert [r["layout"] for r in rows] == [layer_layout(model)] and engine_calibrated(data, model)
     row = rows[0]
-    assert row["requests"] >= 8 and row["run_s"] > 0 and row["predicted_s"] > 0
+    # the run took about what the uncalibrated model priced it at (the factors are clamped)
+    assert row["requests"] >= 8 and 0.2 < row["run_s"] / row["predicted_s"] < 10, row
     for c in ENGINE_COMPONENTS:
         assert FACTOR_BOUNDS[0] <= row[c] <= FACTOR_BOUNDS[1], (c, row)
     assert yaml.safe_load(path.read_text())[CALIBRATION_KEY] == rows
@@ -463,7 +465,17 @@ def test_ensure_with_a_checkpoint_measures_the_engines_in_run_factors(tiny_profi
     after = traced_component_times(model, calibrated, policy, wl)
     for c in ENGINE_COMPONENTS:
         assert after[c] == pytest.approx(before[c] * row[c], rel=1e-9), c
+    # the model prices a CPU step as the sum of those parts
+    from moe_engine.perf.cost import engine_step_times
+    from moe_engine.perf.schedule import step_trace
+
+    total = sum(b.steps * engine_step_times(model, calibrated, policy, wl, b, True).total
+                for b in step_trace(wl.prompt_lengths, wl.request_gen_lengths, 3, policy.prefill_tokens))
+    assert sum(after.values()) == pytest.approx(total, rel=1e-9)
     # measured once: a second ensure finds the row and runs nothing
+    from moe_engine.tools import profile_engine
+
+    monkeypatch.setattr(profile_engine, "measure_engine_factors", None)
     assert ensure_profile(path, model=model, fast=True, checkpoint=tiny_mixtral_dir)[CALIBRATION_KEY] == rows
 
 
@@ -488,6 +500,16 @@ def test_a_failed_calibration_run_keeps_factor_one_and_is_not_retried(tiny_profi
     (row,) = data[CALIBRATION_KEY]
     assert row["dense"] == row["ffn"] == 1.0 and "cannot load" in row["error"]
     assert engine_calibrated(data, model) and "cannot load" in capsys.readouterr().err
+    # a run killed outright (out of memory) leaves the row written before it: not run again
+    def killed(*args, **kwargs):
+        assert yaml.safe_load(path.read_text())[CALIBRATION_KEY][0]["error"] == "the calibration run did not finish"
+        raise SystemExit(137)
+
+    monkeypatch.setattr(profile_engine, "measure_engine_factors", killed)
+    path.write_text(yaml.safe_dump(tiny_profile[1]))
+    with pytest.raises(SystemExit):
+        ensure_profile(path, model=model, fast=True, checkpoint=tiny_mixtral_dir)
+    assert engine_calibrated(yaml.safe_load(path.read_text()), model)
     huge = replace(model, num_layers=10**6)
     assert not calibration_applies(huge, 24 * 2**30) and engine_calibrated({"host_memory_gb": 24}, huge)
     assert engine_calibrated({"device": "cuda"}, model) and not engine_calibrated({}, model)

@@ -107,6 +107,19 @@ def test_profile_without_the_in_run_factors_runs_the_profiler(tmp_path, monkeypa
     assert len(calls) == 1 and "--ensure" in calls[0] and str(model_dir) in calls[0]
 
 
+def test_a_model_that_gets_no_in_run_factors_runs_no_profiler(tmp_path, monkeypatch):
+    """A CUDA machine's profile, or a model held quantized, has no factors to measure: a
+    profile without them is used as it is."""
+    model_dir, model = _model(tmp_path)
+    path = cached_profile_path(tmp_path / "hw")
+    path.parent.mkdir()
+    bare = {k: v for k, v in _covering_profile(model).items() if k != CALIBRATION_KEY}
+    monkeypatch.setattr(stage, "hardware_cache_dir", lambda: tmp_path / "hw")
+    monkeypatch.setattr(stage, "subprocess", None)  # any measuring would fail
+    path.write_text(yaml.safe_dump({**bare, "device": "cuda"}))
+    stage.ensure_machine_profile(model, model_dir, "auto")
+
+
 def test_a_fast_profile_serves_fast_runs_and_is_measured_again_for_a_full_one(tmp_path, monkeypatch):
     """MOE_BATCH_PROFILE=fast leaves a fast profile in the cache; a run without it measures
     the machine fully once rather than keep the fast figures."""

@@ -83,7 +83,7 @@ def spec_from_figures(fig: Mapping[str, Any], gemm_storage: Optional[str] = None
             MoeFfnPoint(str(r["layout"]), int(r["tokens"]), float(r["us_per_call"]) * 1e-6)
             for r in fig.get("moe_ffn") or ()),
         engine_factors=tuple(
-            EngineFactors(str(r["layout"]), **{c: float(r[c]) for c in ENGINE_COMPONENTS})
+            EngineFactors(str(r["layout"]), **{c: float(r.get(c, 1.0)) for c in ENGINE_COMPONENTS})
             for r in fig.get(CALIBRATION_KEY) or ()),
         notes=str(fig.get("attention_kernel", "")),
     )
@@ -288,11 +288,15 @@ def calibration_applies(m: ModelSpec, host_memory: float) -> bool:
             and m.total_bytes <= CALIBRATION_MEMORY_SHARE * host_memory)
 
 
+def profile_host_memory(data: Mapping[str, Any]) -> float:
+    """The host memory in bytes a profile was measured with (this machine's when it has none)."""
+    return float(data.get("host_memory_gb") or total_memory_bytes() / GB) * GB
+
+
 def engine_calibrated(data: Mapping[str, Any], m: ModelSpec) -> bool:
     """Whether a profile has the in-run factors of m's layout, or m gets none (a CUDA machine's
     profile: the run calibrates the CPU backend's parts; not yet measured on the device's)."""
-    host_memory = float(data.get("host_memory_gb") or total_memory_bytes() / GB) * GB
-    return (data.get("device", "cpu") != "cpu" or not calibration_applies(m, host_memory)
+    return (data.get("device", "cpu") != "cpu" or not calibration_applies(m, profile_host_memory(data))
             or any(r["layout"] == layer_layout(m) for r in data.get(CALIBRATION_KEY) or ()))
 
 

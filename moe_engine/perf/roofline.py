@@ -193,7 +193,8 @@ def device_processor(hw: HardwareSpec) -> Processor:
 def cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
     return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,
-                     hw.prefill_attention_points, hw.moe_ffn_points, hw.engine_factors)
+                     hw.prefill_attention_points, hw.moe_ffn_points,
+                     hw.engine_factors if hw.is_cpu_only else ())
 
 
 @lru_cache(maxsize=256)

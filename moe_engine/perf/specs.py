@@ -167,8 +167,9 @@ class HardwareSpec:
 
     def engine_factor(self, m: ModelSpec, component: str) -> float:
         """The in-run factor of `component` (ENGINE_COMPONENTS) for m's layer layout; 1 where
-        the engine was not run on it here."""
-        return engine_factor(self.engine_factors, m, component)
+        the engine was not run on it here, and on a machine with an accelerator (the factors
+        are the CPU backend's)."""
+        return engine_factor(self.engine_factors, m, component) if self.is_cpu_only else 1.0
 
     def host_seq_cost(self, vocab_size: int) -> float:
         """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""

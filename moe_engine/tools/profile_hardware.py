@@ -34,7 +34,7 @@ from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir,
 # gemm_shapes is re-exported: callers import it from here.
 from moe_engine.perf.hardware import (CALIBRATION_KEY, HOST_KEYS, LAYOUT_KEYS, calibration_applies, engine_calibrated,
                                       gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
-                                      load_profile, machine_fingerprint, profile_covers, profile_mode_serves,
+                                      load_profile, profile_host_memory, machine_fingerprint, profile_covers, profile_mode_serves,
                                       total_memory_bytes)
 from moe_engine.model.spec import (BF16X3_STORAGE, EXPERT_STORAGE_BITS, MODEL_DTYPE_STORAGE, PAIR_STORAGE,
                                    TORCH_GEMM_STORAGE)
@@ -462,34 +462,47 @@ def ensure_profile(path: Path | str, model: ModelSpec | None = None, fast: bool 
     too where the profile lacks them (calibrate)."""
     data = _ensure_figures(Path(path), model, fast)
     if model is not None and checkpoint is not None and not engine_calibrated(data, model):
-        calibrate(data, [(model, checkpoint)], fast)
+        calibrate(data, [(model, checkpoint)], fast, path=Path(path))
         write_profile(data, path)
     return data
 
 
 def calibrate(data: dict[str, Any], models: list[tuple[ModelSpec, Optional[Path]]], fast: bool,
-              threads: int = 0) -> None:
+              threads: int = 0, path: Optional[Path] = None) -> None:
     """Add to the profile `data` the in-run factors (profile_engine) of each model that has a
-    checkpoint and gets them (calibration_applies), replacing its layout's earlier row."""
-    from moe_engine.tools.profile_engine import measure_engine_factors
+    checkpoint and gets them (calibration_applies), replacing its layout's earlier row. A run
+    that fails, or that cannot measure what the model prices, leaves a row of factor 1 with
+    the reason: the policy stage does not run it again each time (the job itself meets the
+    same checkpoint and says what is wrong with it). Given the profile's `path`, that row is
+    written there before the run, so a run killed outright (out of memory) counts as failed
+    too."""
+    from moe_engine.tools.profile_engine import CalibrationSkipped, measure_engine_factors
 
     if data.get("device", "cpu") != "cpu":
         return  # engine_calibrated: a CUDA machine's parts are not calibrated yet
     for m, checkpoint in models:
-        if checkpoint is None or not calibration_applies(m, total_memory_bytes()):
+        if checkpoint is None or not calibration_applies(m, profile_host_memory(data)):
             continue
+        _set_calibration(data, {"layout": layer_layout(m), **dict.fromkeys(ENGINE_COMPONENTS, 1.0),
+                                "error": "the calibration run did not finish"})
+        if path is not None:
+            write_profile(data, path)
         with _threads(threads) as cores:
             try:
                 row = measure_engine_factors(checkpoint, m, data, fast, cores)
-            except Exception as exc:  # noqa: BLE001 - a failed run leaves the model as it was
-                # Recorded with factor 1, so the policy stage does not run it again each time;
-                # the job itself will meet the same checkpoint and say what is wrong with it.
-                print(f"profile_hardware: the engine's calibration run failed on {checkpoint} "
-                      f"({type(exc).__name__}: {exc}); its in-run factors stay 1", file=sys.stderr)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the model as it was
+                why = "skipped" if isinstance(exc, CalibrationSkipped) else "failed"
+                print(f"profile_hardware: the engine's calibration run {why} on {checkpoint} "
+                      f"({exc}); its in-run factors stay 1", file=sys.stderr)
                 row = {"layout": layer_layout(m), **dict.fromkeys(ENGINE_COMPONENTS, 1.0),
                        "error": f"{type(exc).__name__}: {exc}"}
-        data[CALIBRATION_KEY] = ([r for r in data.get(CALIBRATION_KEY) or () if r["layout"] != row["layout"]]
-                                 + [row])
+        _set_calibration(data, row)
+
+
+def _set_calibration(data: dict[str, Any], row: dict[str, Any]) -> None:
+    """`row` as its layout's in-run factors in `data`, replacing an earlier one."""
+    data[CALIBRATION_KEY] = ([r for r in data.get(CALIBRATION_KEY) or () if r["layout"] != row["layout"]]
+                             + [row])
 
 
 def _ensure_figures(path: Path, model: ModelSpec | None, fast: bool) -> dict[str, Any]:
@@ -543,8 +556,10 @@ def _merge_gemms(data: dict[str, Any], extra: dict[str, Any]) -> None:
     data["models"] = sorted(set(data.get("models") or ()) | set(extra["models"]))
     if any(key not in data for key in HOST_KEYS):
         # The engine-loop figures come from one measurement: an older profile's are replaced
-        # (the per-logit split and the evicted caches changed what the others mean).
+        # (the per-logit split and the evicted caches changed what the others mean), and the
+        # in-run factors measured against the old ones go with them.
         data.update({key: extra[key] for key in HOST_KEYS})
+        data.pop(CALIBRATION_KEY, None)
     if data.get("cpu_attention_gbps") is None:
         data["cpu_attention_gbps"] = extra["cpu_attention_gbps"]
         data["attention_kernel"] = extra["attention_kernel"]
