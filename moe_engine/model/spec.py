@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -277,6 +277,20 @@ class ModelSpec:
         if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an "
                              f"even number of the head's {self.head_dim} dims")
+
+    # The hash of every field, computed once: the performance model keys its memos by the spec
+    # (`perf.specs.layer_layout`, the processors' part prices) ~10^5 times a search, and the
+    # dataclass's hash walks ~50 fields each time.
+    @cached_property
+    def _fields_hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        return self._fields_hash
+
+    def __getstate__(self) -> dict:
+        # Not the cached hash: another process hashes strings with another seed.
+        return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
 
     @cached_property
     def q_size(self) -> int:

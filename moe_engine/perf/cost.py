@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .roofline import (HEAD_OPS, Processor, cpu_attention_time, cpu_processor, dense_mlp_time, device_attention_time,
                        device_processor, expected_active_experts, expert_ffn_time,
@@ -228,48 +228,76 @@ def _procs(hw: HardwareSpec, cpu_backend: bool) -> tuple[Processor, Processor]:
     return (cpu if cpu_backend else device_processor(hw)), cpu
 
 
-def _micro_batch_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, decode: float,
-                       ctx: float, prompts: float, wl: WorkloadSpec | None, cpu_backend: bool,
-                       moe_layer: bool) -> tuple[float, float, float, float]:
-    """(device s, CPU s, link bytes in, link bytes out) of one layer for one micro-batch of
-    `tokens` tokens: `decode` decode sequences at mean context `ctx` and `prompts` prompts whose
-    tokens make up the rest (the engine packs both into one micro-batch: the GEMMs and
-    element-wise work run over all its rows, attention per kind)."""
+class MicroBatchParts(NamedTuple):
+    """One layer's seconds for one micro-batch per part the engine times (its EngineStats'
+    dense, ffn and attention), where the two movable parts run, and the link bytes that moves."""
+
+    dense: float  # norms, QKV/O projections, RoPE, router: always on the device processor
+    ffn: float  # routed (+ shared) experts, or a dense layer's MLP
+    attention: float  # prefill and decode attention
+    ffn_on_device: bool
+    attention_on_device: bool
+    link_in: float
+    link_out: float
+
+    @property
+    def device(self) -> float:
+        return (self.dense + (self.ffn if self.ffn_on_device else 0.0)
+                + (self.attention if self.attention_on_device else 0.0))
+
+    @property
+    def cpu(self) -> float:
+        return (0.0 if self.ffn_on_device else self.ffn) + (0.0 if self.attention_on_device else self.attention)
+
+
+def micro_batch_parts(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, decode: float,
+                      ctx: float, prompts: float, wl: WorkloadSpec | None, cpu_backend: bool,
+                      moe_layer: bool) -> MicroBatchParts:
+    """One layer for one micro-batch of `tokens` tokens: `decode` decode sequences at mean
+    context `ctx` and `prompts` prompts whose tokens make up the rest (the engine packs both
+    into one micro-batch: the GEMMs and element-wise work run over all its rows, attention per
+    kind). The dense and FFN parts depend on the token count alone, so each processor prices
+    them once for every candidate policy of a search."""
     dev, cpu = _procs(hw, cpu_backend)
     b = m.dtype_bytes
-    g = pre_attention_time(m, dev, tokens) + o_proj_router_time(m, dev, tokens)
-    c = link_in = link_out = 0.0
-    if moe_layer:
-        ffn = expert_ffn_time(m, dev if policy.ffn_on_device else cpu, tokens)
-    else:
-        ffn = dense_mlp_time(m, dev, tokens)
-    if policy.ffn_on_device or not moe_layer:
-        g += ffn
-    else:
-        c += ffn
+    dense = dev.remember(("dense", m, tokens), lambda: pre_attention_time(m, dev, tokens)
+                         + o_proj_router_time(m, dev, tokens))
+    ffn_on_device = policy.ffn_on_device or not moe_layer
+    ffn_proc = dev if ffn_on_device else cpu
+    ffn = ffn_proc.remember(("ffn", m, tokens, moe_layer),
+                            lambda: expert_ffn_time(m, ffn_proc, tokens) if moe_layer
+                            else dense_mlp_time(m, ffn_proc, tokens))
+    link_in = link_out = attention = 0.0
+    if not ffn_on_device:  # hidden states to the host and back
         link_out += tokens * m.hidden_size * b
         link_in += tokens * m.hidden_size * b
     on_device = policy.attention_on_device and not cpu_backend
     if prompts and wl is not None:
         # Prefill attention runs where the step's attention runs; its K/V goes to the host cache.
-        pf = prefill_attention_time(m, dev if on_device else cpu, wl, prompts)
+        attention += prefill_attention_time(m, dev if on_device else cpu, wl, prompts)
         if on_device:
-            g += pf
             link_out += (tokens - decode) * m.kv_bytes_per_token_layer * (1.0 - policy.kv_device_ratio)
-        else:
-            c += pf
     if decode:
         if on_device:
             read = policy.kv_device_ratio if policy.kv_read_ratio is None else policy.kv_read_ratio
-            g += device_attention_time(m, hw, decode, ctx, read)
+            attention += device_attention_time(m, hw, decode, ctx, read)
             link_in += ((1.0 - policy.kv_device_ratio) * decode * m.attended_context(ctx)
                         * m.kv_bytes_per_token_layer)
         else:
-            c += cpu_attention_time(m, hw, decode, ctx)
+            attention += cpu_attention_time(m, hw, decode, ctx)
     if not on_device:
         link_out += tokens * m.qkv_out_features * b  # q/k/v to the host
         link_in += tokens * m.num_heads * m.v_head_dim * b  # attention output back
-    return g, c, link_in, link_out
+    return MicroBatchParts(dense, ffn, attention, ffn_on_device, on_device, link_in, link_out)
+
+
+def _micro_batch_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, decode: float,
+                       ctx: float, prompts: float, wl: WorkloadSpec | None, cpu_backend: bool,
+                       moe_layer: bool) -> tuple[float, float, float, float]:
+    """(device s, CPU s, link bytes in, link bytes out) of one layer for one micro-batch
+    (`micro_batch_parts`)."""
+    p = micro_batch_parts(m, hw, policy, tokens, decode, ctx, prompts, wl, cpu_backend, moe_layer)
+    return p.device, p.cpu, p.link_in, p.link_out
 
 
 def _layer_link_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, moe_layer: bool, link_in: float,
@@ -283,15 +311,14 @@ def _layer_link_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, moe_layer: 
     return max(link_in, link_out) / hw.link_bw
 
 
-def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
-                       cpu_backend: bool, moe_layer: bool = True) -> tuple[float, float, float]:
-    """(T_io, T_cpu, T_gpu) of one layer for a decode step of `n_tokens` sequences at mean context
-    `ctx`, split into micro-batches of mu (Lightning eqs. 13-14, with QKV/O/router included)."""
+def _decode_micro_batches(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
+                          cpu_backend: bool, moe_layer: bool) -> tuple[float, float, float, float]:
+    """(device s, CPU s, link bytes in, out) of one layer's decode step of `n_tokens` sequences
+    in micro-batches of mu."""
     mu = policy.micro_batch_size
     full, rest = divmod(n_tokens, mu)
-    sizes = [(mu, full)] + ([(rest, 1)] if rest else [])
     t_gpu = t_cpu = t_link_in = t_link_out = 0.0
-    for size, count in sizes:
+    for size, count in ((mu, full), (rest, 1 if rest else 0)):
         if count == 0:
             continue
         g, c, li, lo = _micro_batch_times(m, hw, policy, size, size, ctx, 0.0, None, cpu_backend, moe_layer)
@@ -299,9 +326,31 @@ def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens:
         t_cpu += count * c
         t_link_in += count * li
         t_link_out += count * lo
+    return t_gpu, t_cpu, t_link_in, t_link_out
+
+
+def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens: int, ctx: float,
+                       cpu_backend: bool, moe_layer: bool = True) -> tuple[float, float, float]:
+    """(T_io, T_cpu, T_gpu) of one layer for a decode step of `n_tokens` sequences at mean context
+    `ctx`, split into micro-batches of mu (Lightning eqs. 13-14, with QKV/O/router included)."""
+    # Remembered without the weights' residency, which only the link time below reads: the
+    # search prices each (N, mu, placement) at the same contexts for every r_w it solves.
+    key = ("decode_layer", m, n_tokens, ctx, policy.micro_batch_size, policy.attention_on_device,
+           policy.ffn_on_device, policy.kv_device_ratio, policy.kv_read_ratio, moe_layer)
+    t_gpu, t_cpu, t_link_in, t_link_out = _procs(hw, cpu_backend)[0].remember(
+        key, lambda: _decode_micro_batches(m, hw, policy, n_tokens, ctx, cpu_backend, moe_layer))
     if cpu_backend:
         return 0.0, t_cpu, t_gpu
     return _layer_link_time(m, hw, policy, moe_layer, t_link_in, t_link_out), t_cpu, t_gpu
+
+
+def _step_micro_batch(policy: Policy, step: StepBucket) -> tuple[int, float, float, float]:
+    """(micro-batches, tokens, decode sequences, prompts of each) of an engine step: the
+    scheduler splits its sequences into up to N/mu micro-batches of balanced tokens, taken here
+    as equal shares."""
+    n_ub = max(1, min(policy.num_micro_batches, math.ceil(step.decode_seqs + step.prefill_prompts)))
+    return (n_ub, (step.decode_seqs + step.prefill_tokens) / n_ub, step.decode_seqs / n_ub,
+            step.prefill_prompts / n_ub)
 
 
 def layer_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, step: StepBucket,
@@ -309,11 +358,9 @@ def layer_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Workloa
     """(T_io, T_cpu, T_gpu) of one layer for an engine step carrying prefill and decode tokens
     (`schedule.step_trace`): the scheduler splits its sequences into up to N/mu micro-batches
     of balanced tokens, taken here as equal shares."""
-    seqs = step.decode_seqs + step.prefill_prompts
-    n_ub = max(1, min(policy.num_micro_batches, math.ceil(seqs)))
-    tokens = (step.decode_seqs + step.prefill_tokens) / n_ub
-    g, c, li, lo = _micro_batch_times(m, hw, policy, tokens, step.decode_seqs / n_ub, step.decode_context,
-                                      step.prefill_prompts / n_ub, wl, cpu_backend, moe_layer)
+    n_ub, tokens, decode, prompts = _step_micro_batch(policy, step)
+    g, c, li, lo = _micro_batch_times(m, hw, policy, tokens, decode, step.decode_context, prompts, wl,
+                                      cpu_backend, moe_layer)
     g, c, li, lo = n_ub * g, n_ub * c, n_ub * li, n_ub * lo
     if cpu_backend:
         return 0.0, c, g
@@ -389,23 +436,18 @@ def traced_component_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: W
     (ENGINE_COMPONENTS: its EngineStats' dense, attention, ffn, head, and sampling plus
     scheduling as host). What the profiler sets against the engine's own times of the same
     run to measure the in-run factors (tools/profile_engine.py)."""
-    cpu = cpu_processor(hw)
     parts = dict.fromkeys(ENGINE_COMPONENTS, 0.0)
     for step in step_trace(wl.prompt_lengths, wl.request_gen_lengths, policy.batch_size, policy.prefill_tokens):
-        seqs = step.decode_seqs + step.prefill_prompts
-        n_ub = max(1, min(policy.num_micro_batches, math.ceil(seqs)))
-        tokens, decode = (step.decode_seqs + step.prefill_tokens) / n_ub, step.decode_seqs / n_ub
-        prompts = step.prefill_prompts / n_ub
-        attention = prefill_attention_time(m, cpu, wl, prompts) if prompts else 0.0
-        if decode:
-            attention += cpu_attention_time(m, hw, decode, step.decode_context)
-        dense = pre_attention_time(m, cpu, tokens) + o_proj_router_time(m, cpu, tokens)
+        n_ub, tokens, decode, prompts = _step_micro_batch(policy, step)
         for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
-            ffn = expert_ffn_time(m, cpu, tokens) if moe else dense_mlp_time(m, cpu, tokens)
+            if count == 0:
+                continue
+            p = micro_batch_parts(m, hw, policy, tokens, decode, step.decode_context, prompts, wl, True, moe)
             per_steps = step.steps * count * n_ub
-            parts["dense"] += per_steps * dense
-            parts["attention"] += per_steps * attention
-            parts["ffn"] += per_steps * ffn
+            parts["dense"] += per_steps * p.dense
+            parts["attention"] += per_steps * p.attention
+            parts["ffn"] += per_steps * p.ffn
+        seqs = step.decode_seqs + step.prefill_prompts
         parts["head"] += step.steps * head_time(m, hw, seqs, True)
         parts["host"] += step.steps * host_time(m, hw, seqs, step.prefill_tokens)
     return parts
@@ -432,6 +474,13 @@ def _traced_run_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Workloa
     return prefill, decode, full[1]
 
 
+def _prefill_pass_time(m: ModelSpec, dev: Processor, wl: WorkloadSpec, chunk: float, moe: bool) -> float:
+    """One layer's compute in a prefill pass of `chunk` of the workload's prompt tokens."""
+    t = pre_attention_time(m, dev, chunk) + o_proj_router_time(m, dev, chunk)
+    t += expert_ffn_time(m, dev, chunk) if moe else dense_mlp_time(m, dev, chunk)
+    return t + prefill_attention_time(m, dev, wl, chunk / max(1.0, wl.mean_prompt))
+
+
 def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec, n_seqs: int,
                  cpu_backend: bool) -> float:
     """Prefill of `n_seqs` prompts, all on the device (Lightning section 4), in passes of
@@ -447,9 +496,7 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
     for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
         if count == 0:
             continue
-        per_pass = pre_attention_time(m, dev, chunk) + o_proj_router_time(m, dev, chunk)
-        per_pass += expert_ffn_time(m, dev, chunk) if moe else dense_mlp_time(m, dev, chunk)
-        per_pass += prefill_attention_time(m, dev, wl, chunk / max(1.0, wl.mean_prompt))
+        per_pass = dev.remember(("prefill_pass", m, wl, chunk, moe), lambda: _prefill_pass_time(m, dev, wl, chunk, moe))
         layer_compute = passes * per_pass
         if moe:  # each pass reads the layer's disk experts again, in the shadow of compute
             layer_compute = max(layer_compute, passes * disk_layer_time(m, hw, policy, chunk))

@@ -15,9 +15,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable, TypeVar
 
-from .specs import (EngineFactors, GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint,
+from .specs import (DecodeAttentionPoint, EngineFactors, GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint,
                     PrefillAttentionPoint, WorkloadSpec, engine_factor, layer_layout)
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -118,13 +122,14 @@ _MEMO_ENTRIES = 1 << 14
 @dataclass(frozen=True, eq=False)
 class Processor:
     """One compute unit as the roofline sees it, with what was profiled on it: GEMM rates per
-    shape, a layer's element-wise work, prefill attention and routed-expert calls per layer
-    layout (decode attention runs on the CPU only: `cpu_attention_time` reads the spec's
-    points).
+    shape, a layer's element-wise work, prefill and decode attention and routed-expert calls
+    per layer layout.
 
-    It remembers the GEMM times it was asked for: the policy search prices the same shapes at
-    the same token counts for every candidate policy (the golden-section search over r_c
-    changes no GEMM at all). Equality is identity, so the memo is never hashed."""
+    It remembers the GEMM times it was asked for and the curves it read them from: the policy
+    search prices the same shapes at the same token counts for every candidate policy (the
+    golden-section search over r_c changes no GEMM at all), and finding a shape's curve among
+    the profiled points hashes all of them. Equality is identity, so the memos are never
+    hashed."""
 
     flops: float
     bw: float
@@ -134,7 +139,10 @@ class Processor:
     prefill_attention_points: tuple[PrefillAttentionPoint, ...] = ()
     moe_ffn_points: tuple[MoeFfnPoint, ...] = ()
     engine_factors: tuple[EngineFactors, ...] = ()
+    decode_attention_points: tuple[DecodeAttentionPoint, ...] = ()
     _gemm_memo: dict[tuple[float, int, int, float], float] = field(default_factory=dict, init=False, repr=False)
+    _curves: dict[tuple, object] = field(default_factory=dict, init=False, repr=False)
+    _prices: dict[tuple, object] = field(default_factory=dict, init=False, repr=False)
 
     def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
         key = (tokens, inp, out, dtype_bytes)
@@ -142,9 +150,27 @@ class Processor:
         if t is None:
             if len(self._gemm_memo) >= _MEMO_ENTRIES:
                 self._gemm_memo.clear()
-            t = self._gemm_memo[key] = gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw,
-                                                 self.gemm_points)
+            if tokens <= 0:
+                t = 0.0
+            else:
+                curve = self._curve(("gemm", inp, out, dtype_bytes),
+                                    lambda: _profiled_curve(self.gemm_points, inp, out, dtype_bytes))
+                if curve is not None:
+                    t = _interp_time(curve[0], tokens) * curve[1]
+                else:
+                    t = gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw)
+            self._gemm_memo[key] = t
         return t
+
+    def _curve(self, key: tuple, read: Callable[[], object]):
+        """What `read` finds among the points, read once per key (shape, layout, workload)."""
+        return _remember(self._curves, key, read)
+
+    def remember(self, key: tuple, price: Callable[[], T]) -> T:
+        """`price()` computed once per key on this unit: a part of a layer the cost model prices
+        for every candidate policy at the same token counts (`cost.micro_batch_parts`). The key
+        names the part and everything its price depends on besides this unit."""
+        return _remember(self._prices, key, price)
 
     def factor(self, m: ModelSpec, component: str) -> float:
         """The in-run factor of one part of m's layers on this unit (HardwareSpec.engine_factor)."""
@@ -155,7 +181,8 @@ class Processor:
         `tokens` tokens, None when its layout was not profiled here."""
         if not self.layer_ops_points or tokens <= 0:
             return None
-        curves = _layer_ops_curves(self.layer_ops_points, layer_layout(m))
+        layout = layer_layout(m)
+        curves = self._curve(("layer_ops", layout), lambda: _layer_ops_curves(self.layer_ops_points, layout))
         if curves is None:
             return None
         return _interp_time(curves[0], tokens), _interp_time(curves[1], tokens)
@@ -165,20 +192,72 @@ class Processor:
         kernel, all experts at once), None when its layout was not profiled here."""
         if not self.moe_ffn_points or tokens <= 0:
             return None
-        curve = _layout_curve(self.moe_ffn_points, layer_layout(m))
+        curve = self._layout_curve("moe_ffn", self.moe_ffn_points, m)
         return None if curve is None else _interp_time(curve, tokens)
 
     def prefill_attention_curve(self, m: ModelSpec) -> tuple[tuple[int, float], ...] | None:
         """Profiled (prompt length, seconds per prompt) of `m`'s layout, None if absent."""
         if not self.prefill_attention_points:
             return None
-        return _layout_curve(self.prefill_attention_points, layer_layout(m))
+        return self._layout_curve("prefill_attention", self.prefill_attention_points, m)
+
+    def prefill_attention_per_prompt(self, m: ModelSpec, wl: WorkloadSpec) -> float | None:
+        """Profiled seconds of one prompt's attention in `m`'s layout, read at each of the
+        workload's prompt lengths and averaged (at the mean length without per-prompt
+        lengths), None if the layout was not profiled. Remembered per workload: a shard has up
+        to 10^5 prompts."""
+        curve = self.prefill_attention_curve(m)
+        if curve is None:
+            return None
+        if not wl.prompt_lengths:
+            return _interp_time(curve, wl.mean_prompt)
+        return self._curve(("prefill_prompt", layer_layout(m), wl),
+                           lambda: _mean_prompt_time(curve, wl.prompt_lengths))
+
+    def decode_attention_curve(self, m: ModelSpec) -> tuple[tuple[int, float], ...] | None:
+        """Profiled (sequences, seconds) of one decode attention call of `m`'s layout (the call's
+        own cost beside its KV reads), None if absent."""
+        if not self.decode_attention_points:
+            return None
+        return self._layout_curve("decode_attention", self.decode_attention_points, m)
+
+    def _layout_curve(self, kind: str, points: tuple[LayoutPoint, ...], m: ModelSpec):
+        layout = layer_layout(m)
+        return self._curve((kind, layout), lambda: _layout_curve(points, layout))
 
 
-# One processor per spec, so its memo serves every candidate of a search (a spec's hash is
-# cached: `HardwareSpec.__hash__`).
-@lru_cache(maxsize=4)
+def _remember(memo: dict, key: tuple, compute: Callable[[], object]):
+    try:
+        return memo[key]
+    except KeyError:
+        if len(memo) >= _MEMO_ENTRIES:  # fractional token counts of traced runs: bounded
+            memo.clear()
+        value = memo[key] = compute()
+        return value
+
+
+# One processor per spec, so its memo serves every candidate of a search; equal specs share
+# it (a spec's hash is cached: `HardwareSpec.__hash__`). The spec also keeps its own processors
+# in its __dict__ (as functools.cached_property writes a frozen instance): the cost model asks
+# for them ~10^6 times a search, and a shared lookup compares every field of an equal spec
+# loaded apart from the one that made the processor.
 def device_processor(hw: HardwareSpec) -> Processor:
+    return _kept(hw, "_device_processor", _device_processor)
+
+
+def cpu_processor(hw: HardwareSpec) -> Processor:
+    return _kept(hw, "_cpu_processor", _cpu_processor)
+
+
+def _kept(hw: HardwareSpec, name: str, make: Callable[[HardwareSpec], Processor]) -> Processor:
+    proc = hw.__dict__.get(name)
+    if proc is None:
+        proc = hw.__dict__[name] = make(hw)
+    return proc
+
+
+@lru_cache(maxsize=4)
+def _device_processor(hw: HardwareSpec) -> Processor:
     # The element-wise and prefill-attention points are the CPU's: they describe the device
     # only when the CPU is the device.
     cpu_only = hw.is_cpu_only
@@ -186,15 +265,15 @@ def device_processor(hw: HardwareSpec) -> Processor:
                      hw.layer_ops_points if cpu_only else (),
                      hw.prefill_attention_points if cpu_only else (),
                      hw.moe_ffn_points if cpu_only else (),
-                     hw.engine_factors if cpu_only else ())
+                     hw.applied_engine_factors)
 
 
 @lru_cache(maxsize=4)
-def cpu_processor(hw: HardwareSpec) -> Processor:
+def _cpu_processor(hw: HardwareSpec) -> Processor:
     points = hw.cpu_gemm_points or (hw.gemm_points if hw.is_cpu_only else ())
     return Processor(hw.cpu_flops, hw.cpu_bw, points, hw.op_overhead_s, hw.layer_ops_points,
-                     hw.prefill_attention_points, hw.moe_ffn_points,
-                     hw.engine_factors if hw.is_cpu_only else ())
+                     hw.prefill_attention_points, hw.moe_ffn_points, hw.applied_engine_factors,
+                     hw.decode_attention_points)
 
 
 @lru_cache(maxsize=256)
@@ -215,7 +294,6 @@ def _layout_curve(points: tuple[LayoutPoint, ...], layout: str) -> tuple[tuple[i
     return rows or None
 
 
-@lru_cache(maxsize=64)
 def _mean_prompt_time(curve: tuple[tuple[int, float], ...], lengths: tuple[int, ...]) -> float:
     """Mean over the prompts of the per-prompt time read off the curve at each one's length
     (SDPA's cost is step-like in the length: at the mean length it is up to 20% off the mean)."""
@@ -315,9 +393,14 @@ def cpu_attention_time(m: ModelSpec, hw: HardwareSpec, mu: float, ctx: float) ->
     when known, plus the call's own cost at `mu` sequences where the model's layout was profiled
     (cache write, output copy, the kernel's per-sequence setup: on a small model several times
     its reads), else its operator launches."""
+    cpu = cpu_processor(hw)
+    return cpu.remember(("cpu_attention", m, mu, ctx), lambda: _cpu_attention_time(m, hw, cpu, mu, ctx))
+
+
+def _cpu_attention_time(m: ModelSpec, hw: HardwareSpec, cpu: Processor, mu: float, ctx: float) -> float:
     c = decode_attention_cost(m, mu, ctx)
     bw = hw.cpu_attention_bw or hw.cpu_bw
-    curve = _layout_curve(hw.decode_attention_points, layer_layout(m)) if hw.decode_attention_points else None
+    curve = cpu.decode_attention_curve(m)
     call = _interp_time(curve, mu) if curve is not None else _ATTN_OPS * hw.op_overhead_s
     return (roofline_time(c.flops, c.local_bytes, hw.cpu_flops, bw) + call) * hw.engine_factor(m, "attention")
 
@@ -339,12 +422,8 @@ def prefill_attention_time(m: ModelSpec, proc: Processor, wl: WorkloadSpec, prom
     profiled seconds per prompt of the model's layout, read at each prompt's length and averaged
     over the workload (at the mean length without per-prompt lengths), else the causal FLOPs at
     the processor's peak plus the launches of the attention call and of each prompt's SDPA."""
-    curve = proc.prefill_attention_curve(m)
-    if curve is not None:
-        if wl.prompt_lengths:
-            per_prompt = _mean_prompt_time(curve, wl.prompt_lengths)
-        else:
-            per_prompt = _interp_time(curve, wl.mean_prompt)
+    per_prompt = proc.prefill_attention_per_prompt(m, wl)
+    if per_prompt is not None:
         return prompts * per_prompt * proc.factor(m, "attention")
     flops = prefill_attention_flops(m, wl.sum_prompt_sq) * prompts
     launches = (ATTN_OPS + PREFILL_OPS_PER_SEQ * prompts) * proc.op_overhead_s

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 from moe_engine.model.spec import GB, TORCH_GEMM_STORAGE, ModelSpec, UnsupportedModelError, dtype_bytes_of
@@ -85,6 +85,9 @@ class EngineFactors:
     host: float = 1.0  # the engine loop: scheduling, inputs, sampling
 
 
+# Remembered per spec (whose hash is cached): every priced part of every candidate of a
+# search asks for it, and building the string costs ~10 us.
+@lru_cache(maxsize=256)
 def layer_layout(m: ModelSpec) -> str:
     """What decides a layer's element-wise and attention work, as the key of its
     profiled points: widths, heads, experts, the weights' dtype and the architecture's
@@ -162,14 +165,20 @@ class HardwareSpec:
         return self._fields_hash
 
     def __getstate__(self) -> dict:
-        # Not the cached hash: another process hashes strings with another seed.
-        return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
+        # Not the cached hash (another process hashes strings with another seed), nor the
+        # processors the cost model keeps here (`roofline.cpu_processor`).
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    @property
+    def applied_engine_factors(self) -> tuple[EngineFactors, ...]:
+        """The in-run factors the model applies: none on a machine with an accelerator (they
+        are measured on the CPU backend, whose steps lack the parts a CUDA step overlaps)."""
+        return self.engine_factors if self.is_cpu_only else ()
 
     def engine_factor(self, m: ModelSpec, component: str) -> float:
         """The in-run factor of `component` (ENGINE_COMPONENTS) for m's layer layout; 1 where
-        the engine was not run on it here, and on a machine with an accelerator (the factors
-        are the CPU backend's)."""
-        return engine_factor(self.engine_factors, m, component) if self.is_cpu_only else 1.0
+        the engine was not run on it here, and on a machine with an accelerator."""
+        return engine_factor(self.applied_engine_factors, m, component)
 
     def host_seq_cost(self, vocab_size: int) -> float:
         """The engine loop's seconds per sequence of a step, for a model of `vocab_size`."""
@@ -210,6 +219,19 @@ class WorkloadSpec:
     @property
     def mean_seq_len(self) -> float:
         return self.mean_prompt + self.gen_len
+
+    # The hash of every field, computed once: a shard's lengths run to 10^5 rows, and the
+    # cost model keys its memos by the workload (`roofline.Processor`) for every candidate.
+    @cached_property
+    def _fields_hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        return self._fields_hash
+
+    def __getstate__(self) -> dict:
+        # Not the cached hash: another process may hash with another seed.
+        return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
 
     # Cached (frozen, so they never go stale): the policy search reads both for every
     # candidate, and a shard's lengths run to 10^5 rows.
