@@ -302,6 +302,10 @@ def test_hardware_spec_hashes_by_its_fields_once_and_shares_its_processors():
     assert cpu_processor(hw) is cpu_processor(twin)
     for clone in (pickle.loads(pickle.dumps(hw)), copy.copy(hw)):  # the cached hash stays behind
         assert clone == hw and "_fields_hash" not in clone.__dict__ and hash(clone) == hash(hw)
+        # ... and so do the processors the spec keeps (with their memos); the clone, equal,
+        # finds the same ones.
+        assert not any(k.endswith("_processor") for k in clone.__dict__)
+        assert cpu_processor(clone) is cpu_processor(hw)
     proc = device_processor(faster)
     for tokens in (1, 7.5, 4096):
         want = gemm_time(tokens, 4096, 14336, 2, faster.device_flops, faster.device_bw)
