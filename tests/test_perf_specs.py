@@ -311,3 +311,29 @@ def test_hardware_spec_hashes_by_its_fields_once_and_shares_its_processors():
         want = gemm_time(tokens, 4096, 14336, 2, faster.device_flops, faster.device_bw)
         assert proc.gemm(tokens, 4096, 14336, 2) == want
         assert proc.gemm(tokens, 4096, 14336, 2) == want  # from the memo
+
+
+def test_remembered_layer_prices_follow_every_policy_field_they_read():
+    """A processor remembers a decode layer's micro-batches under the policy's placement, and
+    the step's link time outside it: policies that differ in any one field get the prices a
+    spec with no memo yet computes, and no two of them share one."""
+    import dataclasses
+
+    from moe_engine.perf.cost import Policy, layer_decode_times, layer_step_times
+    from moe_engine.perf.schedule import step_trace
+
+    m, hw = reference_model("olmoe-1b-7b"), load_preset("a40")
+    base = Policy(256, 64, True, True, 0.6, 0.5)
+    variants = [base, dataclasses.replace(base, kv_read_ratio=0.0), dataclasses.replace(base, kv_device_ratio=0.8),
+                dataclasses.replace(base, resident_ratio=0.9), dataclasses.replace(base, micro_batch_size=128),
+                dataclasses.replace(base, attention_on_device=False), dataclasses.replace(base, ffn_on_device=False)]
+    wl = workload_spec_from_lengths([40, 300, 17, 512, 90, 256] * 40, 24)
+    (step,) = [s for s in step_trace(wl.prompt_lengths, wl.request_gen_lengths, 256, 2048)
+               if s.carries_prefill and s.decode_seqs][:1]
+    warm = [(layer_decode_times(m, hw, p, 256, 300.0, False), layer_step_times(m, hw, p, wl, step, False))
+            for p in variants]
+    for i, p in enumerate(variants):
+        fresh = dataclasses.replace(hw, name=f"{hw.name}-{i}")  # not equal: processors of its own
+        assert (layer_decode_times(m, fresh, p, 256, 300.0, False),
+                layer_step_times(m, fresh, p, wl, step, False)) == warm[i]
+    assert len({d for d, _ in warm}) == len(variants)

@@ -54,6 +54,14 @@ class Policy:
     def num_micro_batches(self) -> int:
         return max(1, math.ceil(self.batch_size / self.micro_batch_size))
 
+    @property
+    def placement(self) -> tuple[int, bool, bool, float, float | None]:
+        """Every field a layer's micro-batches are priced by (`micro_batch_parts`,
+        `_decode_micro_batches`): the key their remembered prices are kept under. The rest
+        (N, r_w, r_host, the pass size) reach only the link, disk and step counts."""
+        return (self.micro_batch_size, self.attention_on_device, self.ffn_on_device, self.kv_device_ratio,
+                self.kv_read_ratio)
+
 
 @dataclass(frozen=True)
 class StepTimes:
@@ -234,20 +242,30 @@ class MicroBatchParts(NamedTuple):
 
     dense: float  # norms, QKV/O projections, RoPE, router: always on the device processor
     ffn: float  # routed (+ shared) experts, or a dense layer's MLP
-    attention: float  # prefill and decode attention
+    prefill_attention: float
+    decode_attention: float
     ffn_on_device: bool
     attention_on_device: bool
     link_in: float
     link_out: float
 
     @property
+    def attention(self) -> float:
+        return self.prefill_attention + self.decode_attention
+
+    # Summed part by part in one order (a part elsewhere adds 0.0, which changes no bit): a
+    # step's price does not depend on how its parts are grouped.
+    @property
     def device(self) -> float:
+        on = self.attention_on_device
         return (self.dense + (self.ffn if self.ffn_on_device else 0.0)
-                + (self.attention if self.attention_on_device else 0.0))
+                + (self.prefill_attention if on else 0.0) + (self.decode_attention if on else 0.0))
 
     @property
     def cpu(self) -> float:
-        return (0.0 if self.ffn_on_device else self.ffn) + (0.0 if self.attention_on_device else self.attention)
+        on = self.attention_on_device
+        return ((0.0 if self.ffn_on_device else self.ffn) + (0.0 if on else self.prefill_attention)
+                + (0.0 if on else self.decode_attention))
 
 
 def micro_batch_parts(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, decode: float,
@@ -267,28 +285,29 @@ def micro_batch_parts(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: fl
     ffn = ffn_proc.remember(("ffn", m, tokens, moe_layer),
                             lambda: expert_ffn_time(m, ffn_proc, tokens) if moe_layer
                             else dense_mlp_time(m, ffn_proc, tokens))
-    link_in = link_out = attention = 0.0
+    link_in = link_out = prefill_attention = decode_attention = 0.0
     if not ffn_on_device:  # hidden states to the host and back
         link_out += tokens * m.hidden_size * b
         link_in += tokens * m.hidden_size * b
     on_device = policy.attention_on_device and not cpu_backend
     if prompts and wl is not None:
         # Prefill attention runs where the step's attention runs; its K/V goes to the host cache.
-        attention += prefill_attention_time(m, dev if on_device else cpu, wl, prompts)
+        prefill_attention = prefill_attention_time(m, dev if on_device else cpu, wl, prompts)
         if on_device:
             link_out += (tokens - decode) * m.kv_bytes_per_token_layer * (1.0 - policy.kv_device_ratio)
     if decode:
         if on_device:
             read = policy.kv_device_ratio if policy.kv_read_ratio is None else policy.kv_read_ratio
-            attention += device_attention_time(m, hw, decode, ctx, read)
+            decode_attention = device_attention_time(m, hw, decode, ctx, read)
             link_in += ((1.0 - policy.kv_device_ratio) * decode * m.attended_context(ctx)
                         * m.kv_bytes_per_token_layer)
         else:
-            attention += cpu_attention_time(m, hw, decode, ctx)
+            decode_attention = cpu_attention_time(m, hw, decode, ctx)
     if not on_device:
         link_out += tokens * m.qkv_out_features * b  # q/k/v to the host
         link_in += tokens * m.num_heads * m.v_head_dim * b  # attention output back
-    return MicroBatchParts(dense, ffn, attention, ffn_on_device, on_device, link_in, link_out)
+    return MicroBatchParts(dense, ffn, prefill_attention, decode_attention, ffn_on_device, on_device, link_in,
+                           link_out)
 
 
 def _micro_batch_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, tokens: float, decode: float,
@@ -333,11 +352,11 @@ def layer_decode_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, n_tokens:
                        cpu_backend: bool, moe_layer: bool = True) -> tuple[float, float, float]:
     """(T_io, T_cpu, T_gpu) of one layer for a decode step of `n_tokens` sequences at mean context
     `ctx`, split into micro-batches of mu (Lightning eqs. 13-14, with QKV/O/router included)."""
-    # Remembered without the weights' residency, which only the link time below reads: the
-    # search prices each (N, mu, placement) at the same contexts for every r_w it solves.
-    key = ("decode_layer", m, n_tokens, ctx, policy.micro_batch_size, policy.attention_on_device,
-           policy.ffn_on_device, policy.kv_device_ratio, policy.kv_read_ratio, moe_layer)
-    t_gpu, t_cpu, t_link_in, t_link_out = _procs(hw, cpu_backend)[0].remember(
+    # Remembered by the placement alone, without the weights' residency, which only the link
+    # time below reads: the search prices each (N, mu, placement) at the same contexts for
+    # every r_w it solves.
+    key = ("decode_layer", m, n_tokens, ctx, policy.placement, cpu_backend, moe_layer)
+    t_gpu, t_cpu, t_link_in, t_link_out = _procs(hw, cpu_backend)[0].remember_layer(
         key, lambda: _decode_micro_batches(m, hw, policy, n_tokens, ctx, cpu_backend, moe_layer))
     if cpu_backend:
         return 0.0, t_cpu, t_gpu
@@ -496,7 +515,8 @@ def prefill_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpe
     for count, moe in ((m.num_moe_layers, True), (m.num_dense_layers, False)):
         if count == 0:
             continue
-        per_pass = dev.remember(("prefill_pass", m, wl, chunk, moe), lambda: _prefill_pass_time(m, dev, wl, chunk, moe))
+        per_pass = dev.remember_layer(("prefill_pass", m, wl, chunk, moe),
+                                      lambda: _prefill_pass_time(m, dev, wl, chunk, moe))
         layer_compute = passes * per_pass
         if moe:  # each pass reads the layer's disk experts again, in the shadow of compute
             layer_compute = max(layer_compute, passes * disk_layer_time(m, hw, policy, chunk))

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, TypeVar
 
-from .specs import (DecodeAttentionPoint, EngineFactors, GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint, ModelSpec, MoeFfnPoint,
-                    PrefillAttentionPoint, WorkloadSpec, engine_factor, layer_layout)
+from .specs import (DecodeAttentionPoint, EngineFactors, GemmPoint, HardwareSpec, LayerOpsPoint, LayoutPoint,
+                    ModelSpec, MoeFfnPoint, PrefillAttentionPoint, WorkloadSpec, engine_factor, layer_layout)
 
 
 T = TypeVar("T")
@@ -113,9 +113,10 @@ def expected_active_experts(tokens: float, num_experts: int, top_k: int) -> floa
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-# Entries a processor remembers before it starts over (~150 bytes each, ~2.5 MB in all): a
-# search asks for ~10^4 distinct GEMMs; a traced run's fractional token counts could grow it
-# without end.
+# Entries each of a processor's memos holds before it starts over (~150-300 bytes each, up to
+# ~20 MB for the four memos of a spec's two processors): a search asks for ~10^4 distinct GEMMs
+# and part prices; a traced run's fractional token counts, or the golden-section search's
+# continuous r_c, could grow them without end.
 _MEMO_ENTRIES = 1 << 14
 
 
@@ -143,6 +144,7 @@ class Processor:
     _gemm_memo: dict[tuple[float, int, int, float], float] = field(default_factory=dict, init=False, repr=False)
     _curves: dict[tuple, object] = field(default_factory=dict, init=False, repr=False)
     _prices: dict[tuple, object] = field(default_factory=dict, init=False, repr=False)
+    _layers: dict[tuple, object] = field(default_factory=dict, init=False, repr=False)
 
     def gemm(self, tokens: float, inp: int, out: int, dtype_bytes: int) -> float:
         key = (tokens, inp, out, dtype_bytes)
@@ -171,6 +173,12 @@ class Processor:
         for every candidate policy at the same token counts (`cost.micro_batch_parts`). The key
         names the part and everything its price depends on besides this unit."""
         return _remember(self._prices, key, price)
+
+    def remember_layer(self, key: tuple, price: Callable[[], T]) -> T:
+        """As `remember`, for a layer's sums over its micro-batches, whose keys carry the
+        policy's placement (a continuous r_c among them): a memo of their own, so their turnover
+        never drops the part prices."""
+        return _remember(self._layers, key, price)
 
     def factor(self, m: ModelSpec, component: str) -> float:
         """The in-run factor of one part of m's layers on this unit (HardwareSpec.engine_factor)."""
