@@ -619,13 +619,16 @@ def _bounded_decode_time(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Wor
     return total, full[1]
 
 
-def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool) -> Prediction:
+def predict(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy, cpu_backend: bool,
+            mem: MemoryUse | None = None) -> Prediction:
     """Generation throughput (generated tokens / (prefill + decode time), Lightning 5.1) of a
     policy. A bounded run with every request's prompt length (a shard) is replayed step by step
     as the scheduler runs it (`_traced_run_time`); with per-request generation lengths alone the
     prefill passes are followed by the decode batch as it drains (`batch_occupancy`); otherwise a
-    bounded request count K runs in ceil(K/N) waves of at most N."""
-    mem = memory_use(m, hw, wl, policy, cpu_backend)
+    bounded request count K runs in ceil(K/N) waves of at most N. `mem`: the policy's
+    `memory_use`, when the caller has it already (the search checks the fit first)."""
+    if mem is None:
+        mem = memory_use(m, hw, wl, policy, cpu_backend)
     if wl.prefill_only:
         return _predict_prefill_only(m, hw, wl, policy, cpu_backend, mem)
     if wl.num_requests and len(wl.prompt_lengths) == wl.num_requests:

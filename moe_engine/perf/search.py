@@ -152,17 +152,20 @@ def _max_resident_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy
 
 
 def _max_host_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Policy,
-                    cpu_backend: bool) -> float | None:
-    """Largest r_host (whole experts per layer) the host memory allows, or None.
+                    cpu_backend: bool) -> tuple[float, MemoryUse] | None:
+    """Largest r_host (whole experts per layer) the host memory allows, with the memory use of
+    the policy with every expert in host memory, or None.
 
     Host use falls by (1 - r_host) * (X - 2 X_layer) as experts move to disk (X all experts'
     bytes, 2 X_layer the read ring for two layers of them), linear, so the bound is closed-form.
     More experts in host memory never reads more from disk, so the largest that fits is best.
     """
-    mem = memory_use(m, hw, wl, dataclasses.replace(policy, host_resident_ratio=1.0), cpu_backend)
+    if policy.host_resident_ratio != 1.0:
+        policy = dataclasses.replace(policy, host_resident_ratio=1.0)
+    mem = memory_use(m, hw, wl, policy, cpu_backend)
     excess = mem.host_bytes - mem.host_budget
     if excess <= 0:
-        return 1.0
+        return 1.0, mem
     layer = m.experts_bytes_per_layer
     gain = m.num_moe_layers * layer - 2.0 * layer
     if gain <= 0 or not m.num_experts:
@@ -170,7 +173,7 @@ def _max_host_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Po
     r = 1.0 - excess / gain
     if r < 0:
         return None
-    return math.floor(r * m.num_experts + 1e-9) / m.num_experts  # what the pager can hold
+    return math.floor(r * m.num_experts + 1e-9) / m.num_experts, mem  # what the pager can hold
 
 
 def _candidate_batches(num_requests: int):
@@ -212,7 +215,8 @@ def _best_kv_ratio(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, at_max:
     link carrying the least KV while the device reads the least) could beat the best so far."""
     p = at_max.policy
     if best is not None:
-        bound = predict(model, hw, wl, dataclasses.replace(p, kv_read_ratio=0.0), False)
+        # The read ratio moves no byte of memory: the bound fits as the policy does.
+        bound = predict(model, hw, wl, dataclasses.replace(p, kv_read_ratio=0.0), False, at_max.memory)
         if bound.throughput_tok_s <= best.throughput_tok_s * (1.0 - TIE_TOLERANCE):
             return at_max
     evaluated = {r_max: at_max}
@@ -270,15 +274,17 @@ def choose_policy(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, *, backe
                     if solved is None:
                         continue
                     policy = dataclasses.replace(policy, resident_ratio=solved[0], kv_device_ratio=solved[1])
-                r_host = _max_host_ratio(model, hw, wl, policy, cpu_backend)
-                if r_host is None:
+                host = _max_host_ratio(model, hw, wl, policy, cpu_backend)
+                if host is None:
                     continue
+                r_host, mem = host  # mem: this policy's, as long as every expert is in host memory
                 if r_host < 1.0:  # the disk tier; the device tier lies inside the host tier
                     policy = dataclasses.replace(policy, host_resident_ratio=r_host,
                                                  resident_ratio=min(policy.resident_ratio, r_host))
-                if not memory_use(model, hw, wl, policy, cpu_backend).fits:
+                    mem = memory_use(model, hw, wl, policy, cpu_backend)
+                if not mem.fits:
                     continue
-                scored.append((predict(model, hw, wl, policy, cpu_backend), policy.kv_device_ratio))
+                scored.append((predict(model, hw, wl, policy, cpu_backend, mem), policy.kv_device_ratio))
     candidates = len(scored)
     best: Prediction | None = None
     # Best first, so the bound below discards most candidates without a search over r_c.
