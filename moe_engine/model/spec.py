@@ -137,8 +137,26 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 GROUP_SCORES = ("top2_sum", "max")
 
 
+class HashedOnce:
+    """For frozen dataclasses that key memos: the hash of every field, computed once per
+    instance. A subclass sets `__hash__ = HashedOnce.__hash__` in its body (the dataclass
+    decorator replaces an inherited one). What the instance caches under a leading underscore
+    stays behind when it is pickled or copied: another process hashes strings with another
+    seed, and memos belong to the process that filled them."""
+
+    @cached_property
+    def _fields_hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        return self._fields_hash
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(HashedOnce):
     """Everything the engine and the performance model need to know about a model instance.
 
     `intermediate_size` is one routed expert's width; layers in `dense_layers` have a dense MLP
@@ -278,19 +296,9 @@ class ModelSpec:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an "
                              f"even number of the head's {self.head_dim} dims")
 
-    # The hash of every field, computed once: the performance model keys its memos by the spec
-    # (`perf.specs.layer_layout`, the processors' part prices) ~10^5 times a search, and the
-    # dataclass's hash walks ~50 fields each time.
-    @cached_property
-    def _fields_hash(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in fields(self)))
-
-    def __hash__(self) -> int:
-        return self._fields_hash
-
-    def __getstate__(self) -> dict:
-        # Not the cached hash: another process hashes strings with another seed.
-        return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
+    # The performance model keys its memos by the spec (`perf.specs.layer_layout`, the
+    # processors' part prices) ~10^5 times a search; the dataclass's hash walks ~50 fields.
+    __hash__ = HashedOnce.__hash__
 
     @cached_property
     def q_size(self) -> int:

@@ -7,11 +7,11 @@ own ModelSpec (model/spec.py, the one reader of config.json), re-exported here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
 
-from moe_engine.model.spec import GB, TORCH_GEMM_STORAGE, ModelSpec, UnsupportedModelError, dtype_bytes_of
+from moe_engine.model.spec import GB, TORCH_GEMM_STORAGE, HashedOnce, ModelSpec, UnsupportedModelError, dtype_bytes_of
 
 TFLOPS = 1e12
 
@@ -108,7 +108,7 @@ def layer_layout(m: ModelSpec) -> str:
 
 
 @dataclass(frozen=True)
-class HardwareSpec:
+class HardwareSpec(HashedOnce):
     """Memory capacities, bandwidths and peak rates of the accelerator ("device"), the host CPU
     and the link between them; optional profiled figures refine the roofline per shape.
 
@@ -154,20 +154,10 @@ class HardwareSpec:
     def is_cpu_only(self) -> bool:
         return self.device_kind == "cpu"
 
-    # The hash of every field, as the dataclass would compute it, computed once: the cost
-    # model keys its processors by the spec (`roofline.cpu_processor`) ~10^5 times a search,
-    # and a profiled spec hashes ~100 points each time (30 us).
-    @cached_property
-    def _fields_hash(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in fields(self)))
-
-    def __hash__(self) -> int:
-        return self._fields_hash
-
-    def __getstate__(self) -> dict:
-        # Not the cached hash (another process hashes strings with another seed), nor the
-        # processors the cost model keeps here (`roofline.cpu_processor`).
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+    # The cost model keys its processors by the spec (`roofline.cpu_processor`, which also
+    # keeps them here, left behind by a pickle or copy) ~10^5 times a search, and a profiled
+    # spec hashes ~100 points each time (30 us).
+    __hash__ = HashedOnce.__hash__
 
     @property
     def applied_engine_factors(self) -> tuple[EngineFactors, ...]:
@@ -196,7 +186,7 @@ class HardwareSpec:
 
 
 @dataclass(frozen=True)
-class WorkloadSpec:
+class WorkloadSpec(HashedOnce):
     """Token-length statistics of the requests to run (one shard or the whole corpus)."""
 
     mean_prompt: float
@@ -220,18 +210,9 @@ class WorkloadSpec:
     def mean_seq_len(self) -> float:
         return self.mean_prompt + self.gen_len
 
-    # The hash of every field, computed once: a shard's lengths run to 10^5 rows, and the
-    # cost model keys its memos by the workload (`roofline.Processor`) for every candidate.
-    @cached_property
-    def _fields_hash(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in fields(self)))
-
-    def __hash__(self) -> int:
-        return self._fields_hash
-
-    def __getstate__(self) -> dict:
-        # Not the cached hash: another process may hash with another seed.
-        return {k: v for k, v in self.__dict__.items() if k != "_fields_hash"}
+    # A shard's lengths run to 10^5 rows, and the cost model keys its memos by the workload
+    # (`roofline.Processor`) for every candidate.
+    __hash__ = HashedOnce.__hash__
 
     # Cached (frozen, so they never go stale): the policy search reads both for every
     # candidate, and a shard's lengths run to 10^5 rows.
