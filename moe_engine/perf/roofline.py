@@ -96,9 +96,15 @@ def _profiled_curve(points: tuple[GemmPoint, ...], inp: int, out: int, dtype_byt
 def gemm_time(tokens: float, inp: int, out: int, dtype_bytes: int, peak_flops: float, bw: float,
               points: tuple[GemmPoint, ...] = ()) -> float:
     """Seconds for one GEMM of `tokens` rows on a processor: profiled when available, else roofline."""
+    curve = _profiled_curve(points, inp, out, dtype_bytes) if points and tokens > 0 else None
+    return _gemm_time_on(curve, tokens, inp, out, dtype_bytes, peak_flops, bw)
+
+
+def _gemm_time_on(curve: tuple[tuple[tuple[int, float], ...], float] | None, tokens: float, inp: int, out: int,
+                  dtype_bytes: float, peak_flops: float, bw: float) -> float:
+    """`gemm_time` given the shape's profiled curve (`_profiled_curve`), None for the roofline."""
     if tokens <= 0:
         return 0.0
-    curve = _profiled_curve(points, inp, out, dtype_bytes) if points else None
     if curve is not None:
         pts, scale = curve
         return _interp_time(pts, tokens) * scale
@@ -152,16 +158,11 @@ class Processor:
         if t is None:
             if len(self._gemm_memo) >= _MEMO_ENTRIES:
                 self._gemm_memo.clear()
-            if tokens <= 0:
-                t = 0.0
-            else:
+            curve = None
+            if self.gemm_points and tokens > 0:
                 curve = self._curve(("gemm", inp, out, dtype_bytes),
                                     lambda: _profiled_curve(self.gemm_points, inp, out, dtype_bytes))
-                if curve is not None:
-                    t = _interp_time(curve[0], tokens) * curve[1]
-                else:
-                    t = gemm_time(tokens, inp, out, dtype_bytes, self.flops, self.bw)
-            self._gemm_memo[key] = t
+            t = self._gemm_memo[key] = _gemm_time_on(curve, tokens, inp, out, dtype_bytes, self.flops, self.bw)
         return t
 
     def _curve(self, key: tuple, read: Callable[[], object]):
