@@ -23,9 +23,16 @@ CALIBRATION_CORPUS = Path(__file__).resolve().parents[2] / "data" / "sample_prom
 
 
 def calibration_requests(path: Path = CALIBRATION_CORPUS, limit: int = 32,
-                         new_tokens: int = 16) -> list[Request]:
+                         new_tokens: int = 1) -> list[Request]:
     """The first `limit` rows of the bundled sample corpus as greedy requests (empty when the
-    corpus is not there, e.g. in an installed package without data/)."""
+    corpus is not there, e.g. in an installed package without data/).
+
+    One new token each: the prompts' tokens make the counts (~2,550 routed tokens with the
+    built-in tokenizer), and a decode step adds only one token a row. On the disk tier every
+    calibration step reads every expert outside the host tier from disk: small-mixtral's first
+    disk-tier run (tools/rss_check.py: 16 rows, 300 MB host budget) read 26.2 GB to calibrate
+    with 16 new tokens a row, 7.9 GB with one. With every expert in memory they cost 15 decode
+    steps of compute."""
     if not path.exists():
         return []
     out = []
