@@ -48,13 +48,14 @@ def isa_flags() -> dict[str, list[str]]:
     return {src: flags for src, flags, _ in scope["ISA_BUILDS"]}
 
 
-def build(isa: str, out_dir: Path) -> Path:
+def build(isa: str, out_dir: Path, opt: str = "-O3") -> Path:
+    """The harness for one ISA build, at setup.py's -O3 (tests take -O1: half the compile)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("no C compiler (set CC)")
     src = f"isa_{isa}.c"
     exe = out_dir / f"tile_loop_{isa}"
-    cmd = [cc, "-O3", "-fno-math-errno", "-fopenmp", *isa_flags()[src], f"-I{REPO / 'kernels_cy'}",
+    cmd = [cc, opt, "-fno-math-errno", "-fopenmp", *isa_flags()[src], f"-I{REPO / 'kernels_cy'}",
            f'-DISA_SOURCE="{src}"', str(REPO / "bench" / "tile_loop.c"), "-o", str(exe), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return exe
