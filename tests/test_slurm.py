@@ -5,7 +5,7 @@ tests/cluster/slurm_up.sh, the Slurm executor plugin, and a test variant of the 
 checkpoint. The merged output must hold every row exactly once, with the tokens of a local run.
 
 Needs root (daemons, apt-get on a fresh machine); skipped otherwise, or with
-MOE_BATCH_SLURM_TEST=0. Takes ~2 min with the packages installed (README, "On a Slurm
+MOE_BATCH_SLURM_TEST=0. Takes ~1.5 min with the packages installed (README, "On a Slurm
 cluster").
 """
 from __future__ import annotations
