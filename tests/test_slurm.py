@@ -26,7 +26,7 @@ SCRIPT = REPO / "tests" / "cluster" / "slurm_up.sh"
 PROFILE = REPO / "tests" / "cluster" / "profile"
 SNAKEMAKE = [str(Path(sys.executable).parent / "snakemake")]
 # The cluster run's Snakemake: the same, with the Slurm plugin's wait between status checks
-# capped at 2 s (see the script: its back-off let a step start up to 21 s after the last).
+# capped at 0.5 s (see the script: its back-off let a step start up to 21 s after the last).
 SNAKEMAKE_ON_SLURM = [sys.executable, str(REPO / "tests" / "cluster" / "snakemake_polling.py")]
 SHARDS = 4
 CANCELLED_SHARD = "1"
