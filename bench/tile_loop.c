@@ -10,7 +10,8 @@
  * the calls' loss beside the peak is the loop's and the memory's.
  *
  *   tile_loop <bf16|fp32> <rows> <panels> <stream 0|1> <threads> <tiles per panel> [K]
- * prints: fraction=<tile FLOP/s / probe FLOP/s> tile_gflops=<x> probe_gflops=<y>
+ * rows 0: the build's register tile (MOE_MR)
+ * prints: fraction=<tile FLOP/s / probe FLOP/s> rows=<rows> tile_gflops=<x> probe_gflops=<y>
  */
 #include ISA_SOURCE
 
@@ -50,7 +51,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int dt = strcmp(argv[1], "fp32") == 0 ? MOE_W_F32 : MOE_W_BF16;
-    const int rows = atoi(argv[2]), nth = atoi(argv[5]), tiles = atoi(argv[6]);
+    const int rows = atoi(argv[2]) ? atoi(argv[2]) : MR, nth = atoi(argv[5]), tiles = atoi(argv[6]);
     const int stream = atoi(argv[4]);
     const int64_t panels = atol(argv[3]), K = argc > 7 ? atol(argv[7]) : 1024;
     if (rows < 1 || rows > MR || panels < nth || nth < 1 || tiles < 1 || K < 1) {
@@ -88,7 +89,8 @@ int main(int argc, char **argv) {
             }
     }
     const double flops = 2.0 * (double)steps * rows * MOE_NR / (now() - t0);
-    printf("fraction=%.4f tile_gflops=%.2f probe_gflops=%.2f\n", flops / peak, flops / 1e9, peak / 1e9);
+    printf("fraction=%.4f rows=%d tile_gflops=%.2f probe_gflops=%.2f\n", flops / peak, rows,
+           flops / 1e9, peak / 1e9);
     free(w);
     free(x);
     free(out);

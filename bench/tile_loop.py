@@ -11,7 +11,7 @@ loss into the loop's own (here) and the work around it (item set-up, gathers, ep
   .venv/bin/python bench/tile_loop.py                 # ~2 minutes on 2 cores
   .venv/bin/python bench/tile_loop.py --isa avx2 --rounds 9
 
-Rows: the build's register tile (AVX2 6, AVX-512 8), one tile per panel, bf16 weights (fp32
+Rows: the build's register tile (MOE_MR: AVX2 6, AVX-512 8), one tile per panel, bf16 weights (fp32
 with --dtype fp32); "stream" adds the next-panel prefetches run_item gives decode-sized items.
 The last line printed is (the first ISA):
   RESULT l2_fraction=<1 thread, L2> dram_fraction=<2 threads, DRAM> stream_ratio=<2 threads,
@@ -34,7 +34,6 @@ sys.path.insert(0, str(REPO))
 from moe_engine.model import packed  # noqa: E402
 from moe_engine.tools import machine_info  # noqa: E402
 
-TILE_ROWS = {"avx2": 6, "avx512": 8}
 SETS = {"L2": 4, "L3": 64, "DRAM": 4096}  # panels of 64 KB (bf16, K 1024)
 
 
@@ -61,13 +60,16 @@ def build(isa: str, out_dir: Path, opt: str = "-O3") -> Path:
     return exe
 
 
-def run(exe: Path, dtype: str, rows: int, panels: int, stream: int, threads: int, tiles: int) -> float:
+def run(exe: Path, dtype: str, panels: int, stream: int, threads: int, tiles: int,
+        rows: int = 0) -> tuple[float, int]:
+    """(tiles' FLOP/s over the probe's, rows a tile); rows 0: the build's register tile."""
     out = subprocess.run([str(exe), dtype, str(rows), str(panels), str(stream), str(threads), str(tiles)],
                          check=True, capture_output=True, text=True).stdout
-    return float(out.split()[0].split("=")[1])
+    fields = dict(f.split("=") for f in out.split())
+    return float(fields["fraction"]), int(fields["rows"])
 
 
-def configs(isa: str) -> list[tuple[str, int, int, int, int]]:
+def configs() -> list[tuple[str, int, int, int, int]]:
     """(label, panels, stream, threads, tiles)."""
     out = [(f"{where} {th}t", SETS[where], 0, th, 1) for where in SETS for th in (1, 2)]
     out += [(f"DRAM 2t {tiles} tiles{' stream' if s else ''}", SETS["DRAM"], s, 2, tiles)
@@ -93,13 +95,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for isa in isas:
             exe = build(isa, Path(tmp))
-            cases = configs(isa)
+            cases = configs()
             got: dict[str, list[float]] = {c[0]: [] for c in cases}
             for _ in range(args.rounds):
                 for label, panels, stream, threads, tiles in cases:
-                    got[label].append(run(exe, args.dtype, TILE_ROWS[isa], panels, stream, threads, tiles))
+                    fraction, rows = run(exe, args.dtype, panels, stream, threads, tiles)
+                    got[label].append(fraction)
             for label, v in got.items():
-                print(f"{isa:7s} {TILE_ROWS[isa]} rows  {label:28s} {statistics.median(v):.3f} "
+                print(f"{isa:7s} {rows} rows  {label:28s} {statistics.median(v):.3f} "
                       f"({min(v):.3f}-{max(v):.3f})", flush=True)
             if first is None:
                 med = {k: statistics.median(v) for k, v in got.items()}
