@@ -23,6 +23,8 @@ The last line printed is (the first shape of --shapes):
          prefill_flops_fraction=<GFLOP/s at 256 tokens / FMA peak (bf16p: dot-product peak)>
          vs_torch_bf16=<median over token counts of torch bf16 time / kernel time>
          vs_torch_fp32=<torch fp32 time / kernel time at 16 tokens>
+         decode_bw_ceiling=<the decode_bw_fraction the compute roof allows: min(1, peak /
+         FLOPs a weight byte at 8 tokens / read roof)>
 """
 from __future__ import annotations
 
@@ -142,10 +144,17 @@ def main() -> None:
         return small[n][key] if n in small else float("nan")
 
     ratios_bf16 = [r["bf16_s"] / r["kernel_s"] for r in small.values() if not math.isnan(r["bf16_s"])]
+    # At 8 tokens a weight byte feeds kernel_gflops / kernel_gbps FLOPs: at the compute roof the
+    # kernel streams at most peak / that, which caps decode_bw_fraction below 1 where the CPU's
+    # FMAs are slower than its memory.
+    ceiling = min(1.0, peak * at(8, "kernel_gbps") / at(8, "kernel_gflops") / bw)
+    print(f"# decode_bw_fraction at the compute roof: {ceiling:.2f} (8 tokens: "
+          f"{at(8, 'kernel_gflops') / at(8, 'kernel_gbps'):.0f} FLOPs a weight byte)")
     print(f"RESULT decode_bw_fraction={at(8, 'kernel_gbps') / bw:.2f} "
           f"prefill_flops_fraction={at(256, 'kernel_gflops') / peak:.2f} "
           f"vs_torch_bf16={statistics.median(ratios_bf16) if ratios_bf16 else float('nan'):.2f} "
-          f"vs_torch_fp32={at(16, 'fp32_s') / at(16, 'kernel_s'):.2f}")
+          f"vs_torch_fp32={at(16, 'fp32_s') / at(16, 'kernel_s'):.2f} "
+          f"decode_bw_ceiling={ceiling:.2f}")
 
 
 if __name__ == "__main__":
