@@ -10,6 +10,7 @@ Beside bench/peak_fraction.py (the extension's calls against the same probe) it 
 loss into the loop's own (here) and the work around it (item set-up, gathers, epilogues):
   .venv/bin/python bench/tile_loop.py                 # ~2 minutes on 2 cores
   .venv/bin/python bench/tile_loop.py --isa avx2 --rounds 9
+  .venv/bin/python bench/tile_loop.py --cflags -DPANEL_AHEAD=8192   # a variant of the loops
 
 Rows: the build's register tile (MOE_MR: AVX2 6, AVX-512 8), one tile per panel, bf16 weights (fp32
 with --dtype fp32); "stream" adds the next-panel prefetches run_item gives decode-sized items.
@@ -47,15 +48,16 @@ def isa_flags() -> dict[str, list[str]]:
     return {src: flags for src, flags, _ in scope["ISA_BUILDS"]}
 
 
-def build(isa: str, out_dir: Path, opt: str = "-O3") -> Path:
-    """The harness for one ISA build, at setup.py's -O3 (tests take -O1: half the compile)."""
+def build(isa: str, out_dir: Path, opt: str = "-O3", extra: tuple[str, ...] = ()) -> Path:
+    """The harness for one ISA build, at setup.py's -O3 (tests take -O1: half the compile);
+    `extra` compiler flags after the build's own (e.g. -DPANEL_AHEAD=8192)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("no C compiler (set CC)")
     src = f"isa_{isa}.c"
     exe = out_dir / f"tile_loop_{isa}"
     cmd = [cc, opt, "-fno-math-errno", "-fopenmp", *isa_flags()[src], f"-I{REPO / 'kernels_cy'}",
-           f'-DISA_SOURCE="{src}"', str(REPO / "bench" / "tile_loop.c"), "-o", str(exe), "-lm"]
+           f'-DISA_SOURCE="{src}"', *extra, str(REPO / "bench" / "tile_loop.c"), "-o", str(exe), "-lm"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return exe
 
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--isa", default=None, help="comma-separated (default: avx512 and avx2, where the CPU runs them)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cflags", default="", help="extra compiler flags, e.g. -DPANEL_AHEAD=8192 "
+                    "(the tiles' prefetch distance), to try a variant of the loops")
     args = ap.parse_args()
     supported = packed.supported_isas() if packed.HAS_PACKED_KERNELS else []
     isas = args.isa.split(",") if args.isa else [i for i in ("avx512", "avx2") if i in supported]
@@ -94,7 +98,7 @@ def main() -> None:
     first = None
     with tempfile.TemporaryDirectory() as tmp:
         for isa in isas:
-            exe = build(isa, Path(tmp))
+            exe = build(isa, Path(tmp), extra=tuple(args.cflags.split()))
             cases = configs()
             got: dict[str, list[float]] = {c[0]: [] for c in cases}
             for _ in range(args.rounds):

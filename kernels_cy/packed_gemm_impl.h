@@ -194,8 +194,11 @@ static inline __attribute__((always_inline)) void load_pair(const int dt, const 
 /* How far ahead the register tiles prefetch their panel (from DRAM for an item's first row
  * tile, a decode step's only one): the hardware prefetchers alone left one 8-row tile of bf16
  * at 5-7 GB/s a core on an Emerald Rapids VM; 2 KB ahead gave 1.5x, 4 KB 1.07-1.13x more,
- * 8 KB no more. */
+ * 8 KB no more; on Zen 4 tiles alone from DRAM ran the same from 2 to 16 KB. Overridable
+ * (-DPANEL_AHEAD=...) for bench/tile_loop.py --cflags. */
+#ifndef PANEL_AHEAD
 #define PANEL_AHEAD 4096
+#endif
 /* Prefetches k-row k of a panel (rows of rb bytes) PANEL_AHEAD bytes ahead: each of its lines,
  * or, for rows shorter than a line, the line that starts with it (each line once). */
 static inline __attribute__((always_inline)) void prefetch_krow(const char *panel, int64_t k,
