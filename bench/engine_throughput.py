@@ -4,8 +4,8 @@ Workload: N prompts of 128 random token ids (seeded), 128 new tokens each, EOS i
 `generate` call; small-mixtral in its checkpoint dtype (bf16) unless --dtype says otherwise.
 For each N in --batches: prefill tok/s and decode tok/s (the engine's own split of step time),
 end-to-end new tok/s, and the roofline bound for the same work from the FMA peak and the read
-bandwidth measured in this run (prefill FLOPs / FMA peak + per decode step max(weight + KV bytes
-/ bandwidth, FLOPs / FMA peak)). The baseline, run side by side on the largest N, is the
+bandwidth measured right before and after each run, their mean (prefill FLOPs / FMA peak + per
+decode step max(weight + KV bytes / bandwidth, FLOPs / FMA peak)). The baseline, run side by side on the largest N, is the
 engine's torch GEMM path in fp32 (the fastest path before the packed kernels; torch's bf16 GEMM
 is ~8x slower than fp32 on CPUs without native bf16).
 
@@ -111,26 +111,39 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(machine_info.header(args.threads), flush=True)
     model_dir = bench_checkpoint(args.model_dir)
-    bw = machine_info.read_bandwidth_gbps(args.threads)
-    peak = machine_info.fma_peak_gflops(args.threads)
-    print(f"# roofs: read {bw:.1f} GB/s, FMA peak {peak:.0f} GFLOP/s (fp32); {args.prompt_len}-token "
-          f"random prompts, {args.new_tokens} new tokens, EOS ignored", flush=True)
-
     precisions = args.matmul_precision.split(",")
-    peaks = {"highest": peak}
-    if {"medium", "high"} & set(precisions):
-        dot = machine_info.fma_peak_gflops(args.threads, kind="bf16_dot")
-        # high does three bf16 products (one per activation term) for each fp32 one
-        peaks.update(medium=dot, high=dot / 3)
-        print(f"# medium's compute roof: bf16 dot-product peak {dot:.0f} GFLOP/s; high's a "
-              f"third of it, {dot / 3:.0f}", flush=True)
+
+    def roofs() -> tuple[float, dict[str, float]]:
+        """(read GB/s, compute roof in GFLOP/s per precision), measured now."""
+        peaks = {"highest": machine_info.fma_peak_gflops(args.threads)}
+        if {"medium", "high"} & set(precisions):
+            dot = machine_info.fma_peak_gflops(args.threads, kind="bf16_dot")
+            # high does three bf16 products (one per activation term) for each fp32 one
+            peaks.update(medium=dot, high=dot / 3)
+        return machine_info.read_bandwidth_gbps(args.threads), peaks
+
+    # The roofs are measured again after every run and each run is set against the mean of the
+    # measurements before and after it: on a shared host the FMA peak and the read bandwidth
+    # move by 10-40% from minute to minute (docs/benchmarks.md), and a roof taken minutes
+    # before a run measures another machine.
+    bw, peaks = roofs()
+    print(f"# roofs: read {bw:.1f} GB/s, FMA peak {peaks['highest']:.0f} GFLOP/s (fp32)"
+          + (f", bf16 dot-product peak {peaks['medium']:.0f} (medium; high's a third of it)"
+             if "medium" in peaks else "")
+          + f"; {args.prompt_len}-token random prompts, {args.new_tokens} new tokens, EOS ignored",
+          flush=True)
     rows, last_of = [], {}
     for n in [int(x) for x in args.batches.split(",")]:
         for precision in precisions:
             r = run(model_dir, n, args, args.dtype, "auto", precision)
+            bw_after, peaks_after = roofs()
+            r["roofs"] = {"read_gbps": [round(bw, 1), round(bw_after, 1)],
+                          "peak_gflops": [round(peaks[precision]), round(peaks_after[precision])]}
             bound = roofline_seconds(r["spec"], r["weights_bytes"], [args.prompt_len] * n,
-                                     args.new_tokens, n, bw, peaks[precision],
+                                     args.new_tokens, n, (bw + bw_after) / 2,
+                                     (peaks[precision] + peaks_after[precision]) / 2,
                                      kv_elem=r["kv_elem"])
+            bw, peaks = bw_after, peaks_after
             r["roofline_tok_s"] = n * args.new_tokens / bound["total_s"]
             r["roofline_fraction"] = r["new_tok_s"] / r["roofline_tok_s"]
             r["precision"] = precision
@@ -140,7 +153,8 @@ def main() -> None:
             print(f"N={n:4d} {precision} {r['gemm']}: new {r['new_tok_s']:.1f} tok/s, prefill "
                   f"{r['prefill_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f} tok/s, wall "
                   f"{r['wall_s']:.1f} s; roofline {r['roofline_tok_s']:.0f} tok/s -> "
-                  f"{r['roofline_fraction']:.2f}; time {r['time']}", flush=True)
+                  f"{r['roofline_fraction']:.2f} (roofs before, after: read {r['roofs']['read_gbps']} "
+                  f"GB/s, peak {r['roofs']['peak_gflops']} GFLOP/s); time {r['time']}", flush=True)
     last = rows[-1]
     ratio = float("nan")
     if not args.no_baseline:
