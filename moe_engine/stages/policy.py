@@ -139,6 +139,9 @@ def ensure_machine_profile(model, model_dir: Path, dtype: str) -> None:
         cmd += ["--weight-storage", model.weight_storage]
     if mode == "fast":
         cmd.append("--fast")
+    print(f"policy: measuring what this machine's profile at {path} lacks for {model.name} "
+          f"({mode}; a whole profile takes ~1 minute, once per machine and kernel build)",
+          file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
 
 

@@ -46,6 +46,13 @@ FULL_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 FAST_TOKENS = (1, 8, 64, 256)
 
 
+def _step(what: str) -> None:
+    """One progress line on stderr, stamped with the time: a full profile takes ~1 minute on a
+    2-core machine, which the policy job otherwise spends without a word (its log is where
+    `tail -f results/logs/policy.log` looks)."""
+    print(f"profile_hardware {time.strftime('%H:%M:%S')}  {what}", file=sys.stderr, flush=True)
+
+
 def _torch_dtype(dtype_bytes: int):
     import torch
 
@@ -342,6 +349,8 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     import torch
 
     tokens = FAST_TOKENS if fast else FULL_TOKENS
+    _step(f"measuring this machine ({'fast' if fast else 'full'} profile, {cores} threads): "
+          "read and copy bandwidth, operator overhead")
     # Buffers of twice the last-level cache (at least 256 MiB) so the figures are DRAM's.
     big = max(256 << 20, 2 * last_level_cache_bytes())
     read_bw = measure_read_bandwidth(big)
@@ -350,11 +359,15 @@ def _profile(models: list[ModelSpec], fast: bool, cores: int, t_start: float) ->
     cpu_rows: list[dict[str, Any]] = []
     attention = []
     for m in models:
-        cpu_rows += measure_gemms(gemm_shapes(m), m.dtype_bytes, tokens, fast,
+        shapes = gemm_shapes(m)
+        _step(f"GEMMs of {m.name}: {len(shapes)} shapes x {len(tokens)} token counts, then its "
+              "decode attention")
+        cpu_rows += measure_gemms(shapes, m.dtype_bytes, tokens, fast,
                                   storage=m.weight_storage, torch_dtype=m.torch_dtype)
         attention.append(measure_attention(m, fast))
     layouts = measure_layers(models, tokens, fast)
     cpu_peak = max([r["gflops"] for r in cpu_rows] or [0.0]) / 1e3
+    _step("the engine loop's per-step, per-sequence and per-token costs; disk read rate")
     host = measure_engine_loop(models)
     att_rate = statistics.median(a[0] for a in attention) if attention else None
     data: dict[str, Any] = {
@@ -407,6 +420,8 @@ def measure_layers(models: list[ModelSpec], tokens: tuple[int, ...], fast: bool)
         if not layer_ops_profiled(m) or layer_layout(m) in seen:
             continue
         seen.add(layer_layout(m))
+        _step(f"layer layout {layer_layout(m)}: element-wise work, prefill and decode attention, "
+              "routed experts")
         rows["layer_ops"] += measure_layer_ops(m, tokens, fast)
         rows["prefill_attention"] += measure_prefill_attention(m, fast)
         rows["decode_attention"] += measure_decode_attention(m, fast)
@@ -487,6 +502,8 @@ def calibrate(data: dict[str, Any], models: list[tuple[ModelSpec, Optional[Path]
                                 "error": "the calibration run did not finish"})
         if path is not None:
             write_profile(data, path)
+        _step(f"the engine's calibration run on {checkpoint} (seconds of generation, timed part "
+              "by part)")
         with _threads(threads) as cores:
             try:
                 row = measure_engine_factors(checkpoint, m, data, fast, cores)
