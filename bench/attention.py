@@ -146,7 +146,7 @@ def run_case(case: Case, threads: int, repeats: int, stream_buf: torch.Tensor) -
                "sdpa": case.sdpa, "bmm": case.bmm}
     ref = case.bmm(0, threads).float()
     for name, fn in methods.items():  # warm-up, and a sanity check that they agree
-        if name == "cached":  # other keys: no reference, run for the warm-up
+        if name == "cached":  # other blocks than bmm's: a warm-up only, nothing to compare
             fn(0, threads)
             continue
         err = (fn(0, threads).float() - ref).abs().max().item()
