@@ -3,6 +3,7 @@ dense-layer rules, dtype handling, unsupported architectures."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -308,3 +309,22 @@ def test_llama4_multimodal_checkpoint_saved_by_transformers_loads_its_text_model
             gate, up = (x @ ref.gate_up_proj[e].float()).chunk(2, dim=-1)
             expected = (up * torch.nn.functional.silu(gate)) @ ref.down_proj[e].float()
             torch.testing.assert_close(swiglu(weights.layers[i].experts[e], x), expected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_loaded_weights_keep_no_mapping_of_the_checkpoint_file(tiny_mixtral_dir):
+    """safetensors hands out views of the file's mapping; weights held in the checkpoint's own
+    dtype (no cast to copy them) used to keep the whole mapping, and every page reading faulted
+    in, resident beside the engine's own copies. Loaded, they are memory of their own, with the
+    checkpoint's values."""
+    from safetensors.torch import load_file
+
+    shard = str((tiny_mixtral_dir / "model.safetensors").resolve())
+    embed = next(t for name, t in load_file(shard).items() if "embed_tokens" in name).clone()
+    spec = load_spec(tiny_mixtral_dir)
+    weights = load_weights(tiny_mixtral_dir, spec, embed.dtype)  # the checkpoint's dtype: no cast
+    import gc
+
+    gc.collect()  # load_file's own views of the file
+    assert not [line for line in open("/proc/self/maps") if line.rstrip().endswith(shard)]
+    assert torch.equal(weights.embed, embed)
