@@ -5,9 +5,9 @@ Workload: N prompts of 128 random token ids (seeded), 128 new tokens each, EOS i
 For each N in --batches: prefill tok/s and decode tok/s (the engine's own split of step time),
 end-to-end new tok/s, and the roofline bound for the same work from the FMA peak and the read
 bandwidth measured right before and after each run, their mean (prefill FLOPs / FMA peak + per
-decode step max(weight + KV bytes / bandwidth, FLOPs / FMA peak)). The baseline, run side by side on the largest N, is the
-engine's torch GEMM path in fp32 (the fastest path before the packed kernels; torch's bf16 GEMM
-is ~8x slower than fp32 on CPUs without native bf16).
+decode step max(weight + KV bytes / bandwidth, FLOPs / FMA peak)). The baseline, run side by
+side on the largest N, is the engine's torch GEMM path in fp32 (the fastest path before the
+packed kernels; torch's bf16 GEMM is ~8x slower than fp32 on CPUs without native bf16).
 
   .venv/bin/python bench/engine_throughput.py                    # ~10 minutes on 2 cores
   .venv/bin/python bench/engine_throughput.py --batches 64 --no-baseline

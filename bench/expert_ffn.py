@@ -147,9 +147,10 @@ def main() -> None:
     # At 8 tokens a weight byte feeds kernel_gflops / kernel_gbps FLOPs: at the compute roof the
     # kernel streams at most peak / that, which caps decode_bw_fraction below 1 where the CPU's
     # FMAs are slower than its memory.
-    ceiling = min(1.0, peak * at(8, "kernel_gbps") / at(8, "kernel_gflops") / bw)
+    flops_per_byte = at(8, "kernel_gflops") / at(8, "kernel_gbps")
+    ceiling = min(1.0, peak / flops_per_byte / bw)
     print(f"# decode_bw_fraction at the compute roof: {ceiling:.2f} (8 tokens: "
-          f"{at(8, 'kernel_gflops') / at(8, 'kernel_gbps'):.0f} FLOPs a weight byte)")
+          f"{flops_per_byte:.0f} FLOPs a weight byte)")
     print(f"RESULT decode_bw_fraction={at(8, 'kernel_gbps') / bw:.2f} "
           f"prefill_flops_fraction={at(256, 'kernel_gflops') / peak:.2f} "
           f"vs_torch_bf16={statistics.median(ratios_bf16) if ratios_bf16 else float('nan'):.2f} "

@@ -31,7 +31,9 @@ import math
 import mmap
 import os
 import platform
-from typing import TYPE_CHECKING
+import sys
+from functools import lru_cache
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: the fingerprint needs none
     import torch
@@ -64,6 +66,36 @@ def allocator_name() -> str:
     return libc or "unknown libc"
 
 
+@lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def libc_function(name: str):
+    """The C library's function `name` through ctypes, or None where the library or the
+    function is missing (mallopt and malloc_trim are glibc's)."""
+    return getattr(_libc(), name, None)
+
+
+def release_pages(t: "torch.Tensor") -> None:
+    """Hand the whole pages inside t's bytes back to the kernel (MADV_DONTNEED), for a tensor
+    about to be dropped whose values were copied: a view of a checkpoint file's private mapping
+    (model/loader.py), whose pages would otherwise stay resident while the mapping lives.
+    Pages t shares with a neighbour stay; were t anonymous memory, only its own bytes would read
+    as zeros afterwards. Linux only; elsewhere nothing happens."""
+    madvise = libc_function("madvise") if sys.platform.startswith("linux") else None
+    if madvise is None or not hasattr(mmap, "MADV_DONTNEED") or t.numel() == 0:
+        return
+    start, page = t.data_ptr(), mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + t.numel() * t.element_size()) // page * page
+    if hi > lo:
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+
+
 def tune_host_allocator() -> str:
     """Apply the settings above where glibc's malloc serves the process; returns what the
     allocator now is, e.g. 'glibc (mmap >= 256 MiB, trim >= 512 MiB)', or its name untouched
@@ -71,10 +103,8 @@ def tune_host_allocator() -> str:
     name = allocator_name()
     if name != "glibc":
         return name
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
         return "glibc (untuned: mallopt not found)"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     mmap = MMAP_THRESHOLD if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) else MMAP_THRESHOLD_CAPPED

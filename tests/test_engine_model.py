@@ -2,6 +2,7 @@
 dense-layer rules, dtype handling, unsupported architectures."""
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -323,8 +324,6 @@ def test_loaded_weights_keep_no_mapping_of_the_checkpoint_file(tiny_mixtral_dir)
     embed = next(t for name, t in load_file(shard).items() if "embed_tokens" in name).clone()
     spec = load_spec(tiny_mixtral_dir)
     weights = load_weights(tiny_mixtral_dir, spec, embed.dtype)  # the checkpoint's dtype: no cast
-    import gc
-
     gc.collect()  # load_file's own views of the file
     assert not [line for line in open("/proc/self/maps") if line.rstrip().endswith(shard)]
     assert torch.equal(weights.embed, embed)

@@ -1,11 +1,7 @@
 """Load a HF MoE checkpoint (one or sharded safetensors) into ModelWeights."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
-import mmap
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Optional
@@ -13,6 +9,7 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from moe_engine.host_alloc import release_pages
 from moe_engine.model import mxfp4
 from moe_engine.model.arch import NameTable, architecture
 from moe_engine.model.spec import ModelSpec
@@ -43,32 +40,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _libc_madvise():
-    """libc's madvise (Linux), or None."""
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-def _drop_pages(t: torch.Tensor, madvise) -> None:
-    """Hand the whole pages inside t's bytes back to the kernel (MADV_DONTNEED): t is a view
-    of a checkpoint file's private mapping whose values were just copied, and is dropped. Pages
-    t shares with a neighbour stay; were t anonymous memory, only its own bytes would read as
-    zeros afterwards, and nothing reads them."""
-    if madvise is None or t.numel() == 0:
-        return
-    start, page = t.data_ptr(), mmap.PAGESIZE
-    lo, hi = -(-start // page) * page, (start + t.numel() * t.element_size()) // page * page
-    if hi > lo:
-        madvise(lo, hi - lo, mmap.MADV_DONTNEED)
-
-
-def _owned(t: torch.Tensor, held: torch.Tensor, madvise) -> torch.Tensor:
+def _owned(t: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """`held` (t as the engine holds it: cast, or t itself) in memory of its own, t's file
     pages given back. safetensors' tensors are views of the file's mapping: one that stayed
     (the embedding, kept as read) kept the whole mapping alive, and with it every page that
@@ -77,7 +49,7 @@ def _owned(t: torch.Tensor, held: torch.Tensor, madvise) -> torch.Tensor:
     go back one tensor at a time and the mapping closes with the file."""
     if held.data_ptr() == t.data_ptr():
         held = held.clone()
-    _drop_pages(t, madvise)
+    release_pages(t)
     return held
 
 
@@ -100,7 +72,6 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
     glob: dict[str, torch.Tensor] = {}
     layer: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     expert: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
-    madvise = _libc_madvise()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
@@ -114,7 +85,7 @@ def load_weights(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype,
                 read = f.get_tensor(name)
                 # MXFP4 codes and scales are bytes, not values.
                 t = _owned(read, read.to(torch.float32 if m.slot in fp32_slots else dtype)
-                           if read.is_floating_point() else read, madvise)
+                           if read.is_floating_point() else read)
                 del read
                 if m.scope == "global":
                     glob[m.slot] = t

@@ -400,12 +400,11 @@ def _return_free_memory() -> None:
     """Give the allocator's free pages back to the kernel: a conversion's temporaries (several
     expert-sized tensors per expert) would otherwise stay in the process's RSS, outside the host
     budget the rest of the job keeps."""
-    try:
-        import ctypes
+    from moe_engine.host_alloc import libc_function
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    trim = libc_function("malloc_trim")
+    if trim is not None:  # glibc's
+        trim(0)
 
 
 __all__ = ["ExpertFile", "ExpertLayout", "ExpertSource", "TensorRef", "TensorSlot",
