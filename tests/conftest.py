@@ -9,10 +9,27 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--timing-tests", choices=("with", "without", "only"), default="with",
+        help="tests marked `timing` assert on wall-clock time, so any other load beside them "
+             "can fail them: `make test` runs the suite on two workers `without` them, then "
+             "`only` them, alone")
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA; without it they are skipped, never faked."""
+    """`gpu` tests need CUDA; without it they are skipped, never faked. `--timing-tests` keeps
+    or drops the `timing` tests."""
     import torch
 
+    mode = config.getoption("timing_tests")
+    if mode != "with":
+        keep, dropped = [], []
+        for item in items:
+            (keep if ("timing" in item.keywords) == (mode == "only") else dropped).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none here)")

@@ -48,6 +48,7 @@ def test_emulated_link_takes_bytes_over_bandwidth():
         b.close()
 
 
+@pytest.mark.timing
 def test_urgent_copy_waits_for_at_most_one_packet():
     b = CpuBackend(emulated_link_gbps=0.01)
     try:
@@ -227,6 +228,7 @@ class _Gate(ComputeEvent):
         self.flag.wait()
 
 
+@pytest.mark.timing
 def test_async_compute_after_makes_the_stream_wait_for_the_copy_not_the_host(async_backend):
     gate = _Gate()
     dst = torch.zeros(1000)

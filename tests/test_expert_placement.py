@@ -78,6 +78,7 @@ def test_profile_round_trips_through_json():
     assert ExpertLatencyProfile.from_json(p.to_json()) == p
 
 
+@pytest.mark.timing  # times the expert at 1 and 512 tokens: a busy core can swap them
 def test_measured_profile_has_growing_cpu_latency_and_a_real_link():
     backend = CpuBackend()
     try:

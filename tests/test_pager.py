@@ -127,6 +127,7 @@ def test_a_slot_is_refilled_only_after_its_layer_is_released(tiny_mixtral_dir, s
     backend.close()
 
 
+@pytest.mark.timing
 def test_wait_blocks_only_for_the_expert_needed_now(tiny_mixtral_dir, spec):
     backend = CpuBackend(emulated_link_gbps=0.02)  # 20 MB/s: one 344 kB expert ~ 17 ms
     pager = WeightPager(_weights(tiny_mixtral_dir, spec), backend, _skewed_profile(spec), 0.0,

@@ -18,6 +18,9 @@ from moe_engine.engine.request import Request, SamplingParams
 from moe_engine.offload.routing import RoutingProfile
 from moe_engine.offload.trace import Span, Trace
 
+# Every test here times the pipeline or reads the order of its timed spans.
+pytestmark = pytest.mark.timing
+
 CONFIG = EngineConfig(threads=2, kv_cache_gb=0.05, num_micro_batches=2)
 # Short prompts: every step then has about the same compute, so the per-step balance of link
 # and compute matches the whole run's (a long prefill step would be compute-bound alone).
