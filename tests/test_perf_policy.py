@@ -432,3 +432,28 @@ def test_unbounded_scoring_run_keeps_the_smallest_batch():
     m, hw = reference_model("olmoe-1b-7b"), load_preset("a100")
     r = choose_policy(m, hw, WorkloadSpec(200, 400, 1), backend="cuda")
     assert r.policy.batch_size == 1 and r.policy.prefill_tokens > 2048
+
+
+@pytest.mark.parametrize("hw_name,model_name,wl", [
+    ("a100", "olmoe-1b-7b", WorkloadSpec(200, 400, 1)),
+    ("l4", "mixtral-8x7b", WorkloadSpec(900, 1800, 1, num_requests=1000)),
+    ("t4", "deepseek-v2-lite", workload_spec_from_lengths([37, 1800, 5, 640] * 9, 1)),
+    ("cpu", "small-mixtral", workload_spec_from_lengths([1000] * 99 + [3500], 1)),
+])
+def test_scoring_run_search_scores_one_batch_a_micro_batch_and_finds_what_the_whole_grid_does(
+        monkeypatch, hw_name, model_name, wl):
+    """A prefill-only search scores N = mu alone (every larger N prices the same and loses the
+    tie); over the whole (mu, N) grid it must choose the same policy with the same figures."""
+    from moe_engine.perf import search
+
+    m, hw = _model(model_name), load_preset(hw_name)
+    backend = "cpu" if hw_name == "cpu" else "cuda"
+    assert wl.prefill_only
+    short = choose_policy(m, hw, wl, backend=backend)
+    full_grid = search._candidate_batches
+    monkeypatch.setattr(search, "_candidate_batches", lambda k, prefill_only=False: full_grid(k))
+    whole = choose_policy(m, hw, wl, backend=backend)
+    assert short.candidates * 5 < whole.candidates
+    mine, theirs = short.to_json(), whole.to_json()
+    mine.pop("search"), theirs.pop("search")
+    assert mine == theirs

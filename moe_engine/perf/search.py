@@ -176,11 +176,15 @@ def _max_host_ratio(m: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, policy: Po
     return math.floor(r * m.num_experts + 1e-9) / m.num_experts, mem  # what the pager can hold
 
 
-def _candidate_batches(num_requests: int):
-    """(mu, N) pairs of the grid; with K requests bounded, N and mu above K collapse onto K."""
+def _candidate_batches(num_requests: int, prefill_only: bool = False):
+    """(mu, N) pairs of the grid; with K requests bounded, N and mu above K collapse onto K.
+
+    A prefill-only run holds no decode batch: its prediction and memory depend on mu (the
+    decode activations it reserves) but not on N, so every N above mu would price the same as
+    N = mu and lose the tie to it (`_better`); only N = mu is scored."""
     seen = set()
     for mu in MU_GRID:
-        for nub in NUB_GRID:
+        for nub in NUB_GRID[:1] if prefill_only else NUB_GRID:
             n, m_eff = mu * nub, mu
             if num_requests:
                 n, m_eff = min(n, num_requests), min(mu, num_requests)
@@ -266,7 +270,7 @@ def choose_policy(model: ModelSpec, hw: HardwareSpec, wl: WorkloadSpec, *, backe
     placements = [(False, True)] if cpu_backend else [(a, f) for a in (False, True) for f in (True, False)]
     scored: list[tuple[Prediction, float]] = []  # (prediction at the largest r_c, that r_c)
     for attn_dev, ffn_dev in placements:
-        for mu, n in _candidate_batches(wl.num_requests):
+        for mu, n in _candidate_batches(wl.num_requests, wl.prefill_only):
             for pf in _useful_pass_sizes(prefill_choices, wl, n):
                 policy = Policy(n, mu, attn_dev, ffn_dev, 1.0, 0.0, pf, block_size)
                 if not cpu_backend:
