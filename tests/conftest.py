@@ -26,7 +26,8 @@ def pytest_collection_modifyitems(config, items):
     if mode != "with":
         keep, dropped = [], []
         for item in items:
-            (keep if ("timing" in item.keywords) == (mode == "only") else dropped).append(item)
+            timed = item.get_closest_marker("timing") is not None
+            (keep if timed == (mode == "only") else dropped).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = keep

@@ -167,6 +167,7 @@ def _three_layers(tiny_mixtral_dir, spec):
     return weights, copy.deepcopy(weights), RoutingProfile(counts + (counts[1],))
 
 
+@pytest.mark.timing  # readers lag by 0.2 s on purpose
 @pytest.mark.parametrize("release_event", [True, False])
 def test_a_refill_waits_for_the_readers_launched_before_the_release(tiny_mixtral_dir, spec,
                                                                     release_event):
@@ -195,6 +196,7 @@ def test_a_refill_waits_for_the_readers_launched_before_the_release(tiny_mixtral
     backend.close()
 
 
+@pytest.mark.timing  # the host must claim the slot before the packets land
 def test_pages_that_launched_work_waits_for_are_never_cancelled(tiny_mixtral_dir, spec):
     """Claiming a slot drops the previous layer's queued packets, except those the compute
     stream was told to wait for: on an asynchronous device that work may not have run yet."""
