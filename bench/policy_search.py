@@ -81,10 +81,11 @@ def run_cases(seed: int, limit: int | None, out_path: str) -> None:
         try:
             r = choose_policy(m, hw, wl, backend="cpu" if hw_name == "cpu" else "cuda")
         except NoFeasiblePolicy as e:
-            cpu_s += time.process_time() - start
-            results.append({"error": str(e)})
-            continue
+            r = e
         cpu_s += time.process_time() - start
+        if isinstance(r, NoFeasiblePolicy):
+            results.append({"error": str(r)})
+            continue
         candidates += r.candidates
         chosen = r.to_json()
         chosen.pop("search")
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     from moe_engine.tools import machine_info
 
     print(machine_info.header(threads=1))
-    n_cases = len(cases(args.seed, args.limit))
+    searched = cases(args.seed, args.limit)
+    n_cases = len(searched)
     print(f"# {n_cases} searches (seed {args.seed}), {args.rounds} round(s)"
           + (f", against {args.against}" if args.against else ""))
     trees = [("this", REPO)] + ([("base", args.against.resolve())] if args.against else [])
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                   if a != b]
         print(f"median CPU s: this {mine:.2f}, base {base:.2f}, speedup x{base / mine:.2f}; "
               f"{len(differ)} of {n_cases} searches chose differently"
-              + (f" (first: case {differ[0]}, {cases(args.seed)[differ[0]][:2]})" if differ else ""))
+              + (f" (first: case {differ[0]}, {searched[differ[0]][:2]})" if differ else ""))
         line += f" base_cpu_s={base:.2f} speedup={base / mine:.3f} same={int(not differ)}"
     print(line)
 
