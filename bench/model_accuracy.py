@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     from moe_engine.perf.hardware import cached_profile_path, spec_from_figures
     from moe_engine.tools.profile_hardware import calibrate, ensure_profile, profile_machine, write_profile
     from moe_engine.engine.request import Request, SamplingParams
+    from moe_engine.tools import machine_info
 
+    print(machine_info.header(args.threads or os.cpu_count() or 1), flush=True)
     model_dir = ensure_builtin(args.model, args.resources)
     model = ModelSpec.from_hf_config(model_dir, name=args.model)
     base_cfg = EngineConfig(threads=args.threads,

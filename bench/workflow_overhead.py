@@ -14,6 +14,7 @@ Last line: RESULT workflow_s=<x> engine_s=<y> overhead=<x/y>
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -70,6 +71,11 @@ def main() -> None:
     args = parser.parse_args()
     corpus = REPO / "data" / "sample_prompts.jsonl"
     overrides = f"workload.inputs=[{corpus}] {args.overrides}".strip()
+    from moe_engine.config import compose
+    from moe_engine.tools import machine_info
+
+    threads = compose(overrides).engine.threads  # what the runs' engines get (0: every core)
+    print(machine_info.header(threads or os.cpu_count() or 1), flush=True)
 
     workflow_s, engine_s = [], []
     with tempfile.TemporaryDirectory() as tmp:
