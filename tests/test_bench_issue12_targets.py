@@ -3,10 +3,14 @@ issue's targets. The benchmarks themselves take ~10 minutes, so here they are re
 outputs: what is tested is the plan, the parsing and the verdicts."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
+
+from moe_engine.stages.report import ShardSummary, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import issue12_targets as it  # noqa: E402
@@ -70,5 +74,55 @@ def test_only_runs_the_groups_asked_for(capsys):
     it.main(["--only", "engine,accuracy"], execute=lambda r: (ran.append(r.name), fake(r))[1])
     assert ran == ["engine", "accuracy_1t", "accuracy_2t"]
     assert "targets=5" in capsys.readouterr().out.strip().splitlines()[-1]
-    with pytest.raises(SystemExit, match="engines"):
+    with pytest.raises(SystemExit, match="engines.*groups: engine, expert"):
         it.main(["--only", "engines"], execute=fake)
+
+
+def _fake_workflow(summary: dict):
+    """A run_workflow that writes the report's summary.json as the report stage would."""
+    def run_workflow(workdir: Path, overrides: str, target: str = "all") -> float:
+        (workdir / "results").mkdir()
+        (workdir / "results" / "summary.json").write_text(json.dumps(summary, default=str))
+        return 1.0
+    return run_workflow
+
+
+def test_the_default_run_is_judged_on_the_report_s_prediction_error(monkeypatch, capsys):
+    import workflow_overhead
+
+    shards = [ShardSummary("0", 10, 10, 0, 200, 4.0, {"wall_time_s": 2.0, "decode_tokens": 200},
+                           generated_completion_tokens=200)]
+    merged = pl.DataFrame({"status": ["ok"] * 10, "error": [None] * 10, "prompt_tokens": [10] * 10})
+    monkeypatch.setattr(workflow_overhead, "run_workflow", _fake_workflow(
+        summarize(merged, shards, {"prediction": {"throughput_tok_s": 110.0}})))
+    status, line = it.default_run(repeats=2)
+    assert status == 0 and it.parse_result(line)["prediction_error"] == pytest.approx(0.10)
+    # a run the report could not judge (no prediction): no figure, not a verdict on nan
+    monkeypatch.setattr(workflow_overhead, "run_workflow", _fake_workflow(summarize(merged, shards, None)))
+    monkeypatch.setattr(it, "attention_isas", lambda supported, default: [])
+    it.main(["--only", "default_run"])
+    out = capsys.readouterr().out
+    assert [ln for ln in out.splitlines() if ln.startswith("default_run_report_error")][0].endswith("no figure")
+    assert out.strip().splitlines()[-1] == "RESULT reached=0 targets=1 default_run_report_error=nan"
+
+
+def test_a_benchmark_that_raises_leaves_the_others_judged(capsys):
+    def execute(run: it.Run):
+        if run.name == "accuracy_1t":
+            raise FileNotFoundError("no such benchmark")
+        return fake(run)
+    it.main(["--only", "accuracy"], execute=execute)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "RESULT reached=0 targets=2 model_accuracy_1t=nan model_accuracy_2t=nan"
+
+
+def test_the_engine_targets_say_which_cpu_they_were_written_for(monkeypatch, capsys):
+    from moe_engine.tools import machine_info
+
+    for flags, cores, noted in ((["avx2", "fma"], 2, False), (["avx2", "avx512f"], 2, True),
+                                (["avx2", "fma"], 4, True), ([], 2, True)):
+        monkeypatch.setattr(machine_info, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(it.os, "cpu_count", lambda cores=cores: cores)
+        it.main(["--only", "engine"], execute=fake)
+        row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("engine_new_tok_s")][0]
+        assert ("stated for a 2-core AVX2-only CPU" in row) == noted, (flags, cores, row)
