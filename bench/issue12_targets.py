@@ -8,11 +8,11 @@ shape), decode attention on bf16, fp16 and fp32 KV with the AVX2 build and with 
 default build when that is wider (bench/attention.py, 64 sequences x 2048 tokens), the
 performance model on 1 and 2 threads (bench/model_accuracy.py) and the default workflow run's
 report error (Snakemake on the tiny model and the sample corpus, in a temporary directory; the
-median of three runs). Each
-benchmark (and Snakemake) runs in a process of its own, never beside another, with its output
-passed through; its last RESULT line is what is judged, and a figure it did not give (it failed,
-or printed nan) is shown as "no figure". The exit status is 0 whatever the verdicts. The targets are the issue's and are never adjusted here: the
-engine's are stated for a 2-core AVX2-only CPU, which the table says when the CPU is another.
+median of three runs). Each benchmark (and Snakemake) runs in a process of its own, never
+beside another, with its output passed through; its last RESULT line is what is judged, and a
+figure it did not give (it failed, or printed nan) is shown as "no figure". The exit status is
+0 whatever the verdicts. The targets are the issue's and are never adjusted here: the engine's
+are stated for a 2-core AVX2-only CPU, which the table says when the CPU is another.
 ~10 minutes on the 2-core Zen 4 EPYC (the two accuracy runs, which measure a profile before
 and after, take 6 of them).
 
@@ -154,8 +154,7 @@ def default_run(repeats: int = DEFAULT_RUN_REPEATS) -> tuple[int, str]:
     temporary directory of its own, as a RESULT line of its report's prediction error: the
     median, the engine's part of a run being ~1 s, which moves 10-30% from run to run here
     (one run in six measured 7350 tok/s where the others measured 9560-10450)."""
-    sys.path.insert(0, str(BENCH))
-    from workflow_overhead import run_workflow
+    from workflow_overhead import run_workflow  # bench/ is on sys.path: this script's folder
 
     corpus = REPO / "data" / "sample_prompts.jsonl"
     summaries = []
@@ -175,10 +174,13 @@ def default_run(repeats: int = DEFAULT_RUN_REPEATS) -> tuple[int, str]:
         print(f"    run {len(summaries)}: predicted {_shown(last.get('predicted_tok_s'))} tok/s, engine "
               f"{_shown(last.get('engine_tok_s'))} tok/s, error {_shown(last.get('prediction_error'))}",
               flush=True)
-    errors = [s["prediction_error"] for s in summaries if s.get("prediction_error") is not None]
-    figures = {"prediction_error": statistics.median(errors) if errors else None,
+    def median(key: str) -> float | None:  # over the runs that have the figure
+        present = [s[key] for s in summaries if s.get(key) is not None]
+        return statistics.median(present) if present else None
+
+    figures = {"prediction_error": median("prediction_error"),
                "predicted_tok_s": summaries[-1].get("predicted_tok_s"),
-               "engine_tok_s": statistics.median(s.get("engine_tok_s") or 0.0 for s in summaries) or None}
+               "engine_tok_s": median("engine_tok_s")}
     line = "RESULT " + " ".join(f"{k}={_shown(v)}" for k, v in figures.items())
     print("    " + line, flush=True)
     return 0, line
