@@ -25,12 +25,14 @@ ISA_BUILDS = [
     ("isa_generic.c", [], None),
     ("isa_avx2.c", ["-mavx2", "-mfma", "-mf16c"], "MOE_BUILT_AVX2"),
     ("isa_avx512.c", AVX512_FLAGS, "MOE_BUILT_AVX512"),
-    # AVX-512 plus vdpbf16ps (Zen 4, Sapphire Rapids on): bf16p weights only; dropped where the
+    # AVX-512 plus vdpbf16ps and vpdpbusd (Cooper Lake, Zen 4, Sapphire Rapids on: every CPU
+    # with AVX512-BF16 has AVX512-VNNI): bf16p and i8q weights only; dropped where the
     # compiler lacks -mavx512bf16 (GCC < 10)
-    ("isa_avx512bf16.c", AVX512_FLAGS + ["-mavx512bf16"], "MOE_BUILT_AVX512BF16"),
+    ("isa_avx512bf16.c", AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni"], "MOE_BUILT_AVX512BF16"),
     # AVX512-BF16 plus AMX tiles (Sapphire Rapids on) for bf16p weights; dropped where the
     # compiler lacks -mamx-bf16 (GCC < 11)
-    ("isa_amx.c", AVX512_FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "MOE_BUILT_AMX"),
+    ("isa_amx.c", AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
+     "MOE_BUILT_AMX"),
 ]
 # Extensions that link the ISA builds and the dispatcher.
 ISA_EXTENSIONS = {"packed_gemm", "paged_attention"}

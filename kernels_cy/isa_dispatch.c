@@ -53,7 +53,8 @@ int moe_isa_supported(int isa) {
 #endif
 #if defined(MOE_BUILT_AVX512BF16)
         case MOE_ISA_AVX512BF16:
-            return moe_isa_supported(MOE_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
+            return moe_isa_supported(MOE_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
+                   __builtin_cpu_supports("avx512vnni");
 #endif
 #if defined(MOE_BUILT_AMX)
         case MOE_ISA_AMX:

@@ -31,6 +31,17 @@
  *       which matches the instruction up to its last bit (its rounding inside the pair is the
  *       hardware's: ~1% of lanes differ by an ulp on AMD Zen 4) and subnormals (vdpbf16ps
  *       flushes them to zero, the emulation keeps them).
+ *   i8q (int8 quads, engine.matmul_precision=medium on int8 experts): the int8 values and
+ *       per-output-channel scales of i8, with k taken in quads (k padded with zero inputs to a
+ *       multiple of 4): a panel holds ceil(k/4) "quad-rows" of 32 32-bit words, byte i of word
+ *       c of quad-row j holding W[32p + c, 4j + i]. scale is [P*32] fp32 column scales, then
+ *       [P*32] int32 column corrections 128 * sum_k W[c, k] (in packed column order). The
+ *       GEMM quantizes each activation row to int8, symmetric (s = max|x| / 127, q =
+ *       rint(x * 127 / max|x|)), offset to unsigned bytes q + 128, so that one AVX512-VNNI
+ *       vpdpbusd does four multiply-adds a lane into int32; other builds compute the same
+ *       integer sums exactly (vpmaddwd, or plain multiplies), so every ISA gives the same bits.
+ *       An output is (float)(sum - correction) * s_row * scale_col (+ bias): the integer sum
+ *       is exact in any order, so a row's result depends on nothing but the row.
  * Every ISA computes each output as one fp32 FMA chain over k in increasing order, so a row's
  * result does not depend on the other rows of the call (batch invariance) nor on the ISA when
  * the ISA has FMA (bf16p: the FMA builds agree with each other; vdpbf16ps differs by its own
@@ -50,7 +61,7 @@
 /* Storage dtypes of packed weights; KV caches use the first three. */
 enum moe_wdtype {
     MOE_W_F32 = 0, MOE_W_BF16 = 1, MOE_W_F16 = 2, MOE_W_I8 = 3, MOE_W_I4 = 4, MOE_W_FP4 = 5,
-    MOE_W_BF16P = 6, MOE_W_BF16X3 = 7
+    MOE_W_BF16P = 6, MOE_W_BF16X3 = 7, MOE_W_I8Q = 8
 };
 /* bf16p and bf16x3 hold the same panels (bf16 weights in pairs of k). bf16p's GEMMs round each
  * activation to bf16 (one term); bf16x3's split it into three bf16 terms whose sum is the fp32
@@ -60,6 +71,9 @@ enum moe_wdtype {
 static inline int moe_pair_terms(int dtype) {
     return dtype == MOE_W_BF16P ? 1 : dtype == MOE_W_BF16X3 ? 3 : 0;
 }
+/* i8q: the most inputs a GEMM may have, so that a sum of k products of bytes (up to 255 *
+ * 127 each) stays within int32. */
+#define MOE_I8Q_MAX_K 65536
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
 enum moe_probe { MOE_PROBE_FMA = 0, MOE_PROBE_BF16_DOT = 1 };
 /* The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped form
@@ -166,6 +180,11 @@ extern const moe_isa_ops moe_ops_amx;
  * tile (or a register tile) reads fall into different L1 sets. Rows 4 KB apart (a 1024-wide
  * fp32 row, or its bf16 pairs at 2048) would all map to one set and evict each other. */
 static inline int64_t moe_row_stride(int64_t n) { return (((n + 15) / 16) | 1) * 16; }
+
+/* The row stride (4-byte words) of i8q activations for k inputs: the quads, then at least one
+ * word, the last of the row, which holds the row's scale. The moe_ffn work rows (fp32 row
+ * strides) meet it too: moe_row_stride(n) > (n + 3) / 4 for every n >= 1. */
+static inline int64_t moe_q8_stride(int64_t k) { return moe_row_stride((k + 3) / 4 + 1); }
 
 /* The row stride of activations of n inputs as a GEMM on weights of `terms` (moe_pair_terms)
  * reads them: fp32 or bf16 pairs (0, 1) at the fp32 row's stride, three planes of pair words

@@ -5,7 +5,8 @@ from libc.stdint cimport int32_t, int64_t
 cdef extern from "moe_isa.h" nogil:
     int MOE_NR
     int MOE_I4_GROUP
-    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P, MOE_W_BF16X3
+    int MOE_I8Q_MAX_K
+    int MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P, MOE_W_BF16X3, MOE_W_I8Q
     int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_AMX
     int MOE_ISA_COUNT
     int MOE_ACT_NONE, MOE_ACT_SIGMOID

@@ -11,8 +11,10 @@ from moe_isa cimport *
 
 NR = MOE_NR
 I4_GROUP = MOE_I4_GROUP
-W_F32, W_BF16, W_F16, W_I8, W_I4, W_FP4, W_BF16P, W_BF16X3 = (
-    MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P, MOE_W_BF16X3)
+W_F32, W_BF16, W_F16, W_I8, W_I4, W_FP4, W_BF16P, W_BF16X3, W_I8Q = (
+    MOE_W_F32, MOE_W_BF16, MOE_W_F16, MOE_W_I8, MOE_W_I4, MOE_W_FP4, MOE_W_BF16P, MOE_W_BF16X3,
+    MOE_W_I8Q)
+I8Q_MAX_K = MOE_I8Q_MAX_K
 GLU_SILU, GLU_CLAMPED = MOE_GLU_SILU, MOE_GLU_CLAMPED
 TABLE_COLUMNS = 12  # moe_ffn's expert table: see its docstring
 ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512BF16, ISA_AMX = (
@@ -109,7 +111,8 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
     if rc == -1:
         raise ValueError("moe_ffn: a routed expert index is out of range or names an absent expert")
     if rc == -3:
-        raise ValueError("moe_ffn: the experts of one call mix bf16p or bf16x3 with other storage")
+        raise ValueError("moe_ffn: the experts of one call mix bf16p, bf16x3 or i8q with other "
+                         "storage")
     if rc != 0:
         raise MemoryError("moe_ffn: scratch allocation failed")
 

@@ -10,6 +10,7 @@
  * widens them to fp32 in registers and does 2*MR FMAs with broadcast activations; the panel is
  * read from memory once per call and from cache for the following row tiles.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,14 +60,64 @@ static inline vi widen_u8(const void *p) {
 #endif
 }
 
-/* Bytes of one k-row (32 columns) per weight dtype; bf16p, bf16x3: of one pair-row (two k). */
+/* Bytes of one k-row (32 columns) per weight dtype; bf16p, bf16x3: of one pair-row (two k);
+ * i8q: of one quad-row (four k). */
 static inline int64_t krow_bytes(int dt) {
-    return (dt == MOE_W_F32 || moe_pair_terms(dt)) ? 128
+    return (dt == MOE_W_F32 || moe_pair_terms(dt) || dt == MOE_W_I8Q) ? 128
            : dt == MOE_W_I8 ? 32 : (dt == MOE_W_I4 || dt == MOE_W_FP4) ? 16 : 64;
 }
 
-/* k-rows a panel holds: k, or ceil(k/2) pair-rows for bf16p and bf16x3. */
-static inline int64_t panel_rows(int dt, int64_t k) { return moe_pair_terms(dt) ? (k + 1) / 2 : k; }
+/* k-rows a panel holds: k, ceil(k/2) pair-rows for bf16p and bf16x3, ceil(k/4) quad-rows for
+ * i8q. */
+static inline int64_t panel_rows(int dt, int64_t k) {
+    return moe_pair_terms(dt) ? (k + 1) / 2 : dt == MOE_W_I8Q ? (k + 3) / 4 : k;
+}
+
+/* The 4-byte words of an activation row that its first k0 inputs take, as the tiles read the
+ * row: one a float, bf16 pairs two a word (in each plane), i8q quads four. k0 is a multiple of
+ * 4 (KC). */
+static inline int64_t act_words(int dt, int64_t k0) {
+    return moe_pair_terms(dt) ? k0 / 2 : dt == MOE_W_I8Q ? k0 / 4 : k0;
+}
+
+/* How the activations of a GEMM on weights of dtype dt are held: fp32 (0), bf16 pairs or
+ * bf16x3 planes (moe_pair_terms: 1, 3), or i8q's quantized quads (ACT_Q8). One moe_ffn call
+ * gathers its rows in one form for every expert. */
+#define ACT_Q8 4
+static inline int act_form(int dt) { return dt == MOE_W_I8Q ? ACT_Q8 : moe_pair_terms(dt); }
+
+/* i8q: a row of k fp32 activations at src as ceil(k/4) words of unsigned bytes q + 128 at dst
+ * (q = rint(x * 127 / max|x|) in [-127, 127], a last quad padded with q = 0) and the row's
+ * scale max|x| / 127 in word ld - 1 of dst. A row of zeros has scale 0; a row with an inf or a
+ * NaN gets a NaN scale, so its outputs are NaN as an fp32 GEMM's would be. Scalar code,
+ * multiplies and rounding only, so every build quantizes to the same bytes. dst may be src:
+ * word j is written after floats 4j..4j+3 were read, and the scale after the last quad
+ * ((k + 3) / 4 <= ld - 1). */
+static inline void q8_row(const float *src, int64_t k, void *dst, int64_t ld) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t i = 0; i < k; i++) {
+        const float a = fabsf(src[i]);
+        finite &= a <= FLT_MAX; /* false for inf and NaN */
+        amax = a > amax ? a : amax;
+    }
+    const float scale = finite ? amax / 127.0f : NAN;
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    char *out = (char *)dst;
+    for (int64_t j = 0; 4 * j < k; j++) {
+        uint32_t word = 0;
+        for (int i = 0; i < 4; i++) {
+            int q = 0;
+            if (4 * j + i < k) {
+                const float r = rintf(src[4 * j + i] * inv);
+                q = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+            }
+            word |= (uint32_t)(q + 128) << (8 * i);
+        }
+        memcpy(out + 4 * j, &word, sizeof word);
+    }
+    memcpy(out + 4 * (ld - 1), &scale, sizeof scale);
+}
 
 /* fp32 bits -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN): what the
  * activations of bf16p weights become, the same on every ISA. */
@@ -139,6 +190,15 @@ static inline void to_terms(const float *src, int64_t k, float *dst, int64_t ldx
         bf16_pairs3(src, k, (uint32_t *)dst, ldx / 3);
     else
         bf16_pairs(src, k, dst);
+}
+
+/* A row of k fp32 activations in form `form` (act_form) at dst, row stride ldx words: bf16
+ * pairs or bf16x3 planes (to_terms), or i8q quads and scale (q8_row). */
+static inline void to_form(const float *src, int64_t k, float *dst, int64_t ldx, int form) {
+    if (form == ACT_Q8)
+        q8_row(src, k, dst, ldx);
+    else
+        to_terms(src, k, dst, ldx, form);
 }
 
 /* The E2M1 (FP4) values by code: sign bit 3, then 2 exponent bits and 1 mantissa bit. */
@@ -289,6 +349,62 @@ static inline __attribute__((always_inline)) void pass_steps(const int dt, const
     }
 }
 
+/* i8q: the pairs of signed 16-bit halves of a and b multiplied and summed per 32-bit lane
+ * (vpmaddwd). Exact for the bytes it is given (|product| <= 255 * 127). */
+typedef int16_t vs16 __attribute__((vector_size(VW * 4)));
+static inline vi madd16(vi a, vi b) {
+#if VW == 16 && defined(__AVX512BW__)
+    return (vi)_mm512_madd_epi16((__m512i)a, (__m512i)b);
+#elif VW == 8 && defined(__AVX2__)
+    return (vi)_mm256_madd_epi16((__m256i)a, (__m256i)b);
+#elif VW == 4 && defined(__SSE2__)
+    return (vi)_mm_madd_epi16((__m128i)a, (__m128i)b);
+#else
+    return ((vi)((vu)a << 16) >> 16) * ((vi)((vu)b << 16) >> 16) + (a >> 16) * (b >> 16);
+#endif
+}
+
+static inline vi bcast_word(uint32_t w) {
+    vi r = (vi){0} + (int32_t)w;
+    return r;
+}
+
+/* i8q quad-rows [j0, j1) of pass s for M rows: acc[r][0..1] (int32 sums held in the vf
+ * registers' bits) += per lane, the four products of row r's quad (unsigned bytes, x words of
+ * row stride ldx) with the lane's four signed weights. AVX512-VNNI: one vpdpbusd a vector;
+ * elsewhere the same integer sums, bytes 0 and 2 then 1 and 3 through vpmaddwd. */
+static inline __attribute__((always_inline)) void q8_steps(const int M, const float *x,
+                                                          int64_t ldx, const char *panel, int s,
+                                                          int64_t j0, int64_t j1, vf acc[][2]) {
+    for (int64_t j = j0; j < j1; j++) {
+        const char *row = panel + j * 128;
+        if (s == 0) prefetch_krow(panel, j, 128);
+        vi a, b;
+        memcpy(&a, row + s * VW * 4, sizeof a);
+        memcpy(&b, row + (16 + s * VW) * 4, sizeof b);
+#if VW == 16 && defined(__AVX512VNNI__)
+        for (int r = 0; r < M; r++) {
+            int32_t w;
+            memcpy(&w, x + r * ldx + j, sizeof w);
+            const __m512i xb = _mm512_set1_epi32(w);
+            acc[r][0] = (vf)_mm512_dpbusd_epi32((__m512i)acc[r][0], xb, (__m512i)a);
+            acc[r][1] = (vf)_mm512_dpbusd_epi32((__m512i)acc[r][1], xb, (__m512i)b);
+        }
+#else
+        /* each lane's weight bytes 0, 2 (even) and 1, 3 (odd) as signed 16-bit halves */
+        const vi ae = (vi)(((vs16)a << 8) >> 8), ao = (vi)((vs16)a >> 8);
+        const vi be = (vi)(((vs16)b << 8) >> 8), bo = (vi)((vs16)b >> 8);
+        for (int r = 0; r < M; r++) {
+            uint32_t w;
+            memcpy(&w, x + r * ldx + j, sizeof w);
+            const vi xe = bcast_word(w & 0x00ff00ffu), xo = bcast_word((w >> 8) & 0x00ff00ffu);
+            acc[r][0] = (vf)((vi)acc[r][0] + madd16(ae, xe) + madd16(ao, xo));
+            acc[r][1] = (vf)((vi)acc[r][1] + madd16(be, xe) + madd16(bo, xo));
+        }
+#endif
+    }
+}
+
 /* acc[r][0..1] = init[r] (zero when NULL) + sum over k of x[r, k] * (pass s columns of the
  * panel), one FMA chain per output in increasing k. A stream's walk (st) runs the steps in
  * blocks, its prefetches between them; without one the steps run as one loop. */
@@ -297,6 +413,20 @@ static inline __attribute__((always_inline)) void micro_kernel(
     const void *gscale, int s, vf acc[][2], const float *init, panel_stream *st) {
     const int64_t rb = krow_bytes(dt);
     acc_start(M, s, acc, init);
+    if (dt == MOE_W_I8Q) { /* x holds quads of unsigned bytes, ldx words a row */
+        const int64_t Q = (K + 3) / 4;
+        stream_walk qw = walk_begin(st, (Q + STREAM_BLOCK - 1) / STREAM_BLOCK);
+        if (!qw.per_block) {
+            q8_steps(M, x, ldx, panel, s, 0, Q, acc);
+            return;
+        }
+        for (int64_t j0 = 0; j0 < Q; j0 += STREAM_BLOCK) {
+            walk_block(&qw);
+            q8_steps(M, x, ldx, panel, s, j0, j0 + STREAM_BLOCK < Q ? j0 + STREAM_BLOCK : Q, acc);
+        }
+        walk_end(st, &qw);
+        return;
+    }
     /* i4/fp4: a block a group (bf16 pairs never stream: plan_gemm) */
     stream_walk sw = walk_begin(st, dt == MOE_W_I4 || dt == MOE_W_FP4
                                         ? K / MOE_I4_GROUP
@@ -411,7 +541,12 @@ enum { EPI_LINEAR, EPI_SWIGLU, EPI_SCATTER };
 typedef struct {
     int mode;
     int ncol;              /* LINEAR/SCATTER: valid of 32 columns; SWIGLU: valid of 16 outputs */
-    const float *cscale;   /* int8 per-column scales of the panel [32], else NULL */
+    const float *cscale;   /* int8, i8q per-column scales of the panel [32], else NULL */
+    /* i8q: the panel's column corrections [32] (int32), and the scale of each row: row r of
+     * the item's matrix at rscale[r * rstride] (the last word of its activation row) */
+    const int32_t *ccorr;
+    const float *rscale;
+    int64_t rstride;
     const float *bias;     /* bias of the panel's 32 columns (padded), else NULL */
     const moe_glu *glu;    /* SWIGLU: the activation (NULL: SiLU) */
     int act;               /* LINEAR: MOE_ACT_* */
@@ -461,6 +596,16 @@ static __attribute__((noinline)) void apply_epilogue(const int M, vf acc[][2], i
             stf(dst + r * MOE_NR + cb, acc[r][1]);
         }
         return;
+    }
+    if (ep->rscale) { /* i8q: the exact integer sums, corrected for the bytes' offset, to fp32 */
+        vi ka, kb;
+        memcpy(&ka, ep->ccorr + ca, sizeof ka);
+        memcpy(&kb, ep->ccorr + cb, sizeof kb);
+        for (int r = 0; r < M; r++) {
+            const vf rs = bcast(ep->rscale[(int64_t)(row0 + r) * ep->rstride]);
+            acc[r][0] = __builtin_convertvector((vi)acc[r][0] - ka, vf) * rs;
+            acc[r][1] = __builtin_convertvector((vi)acc[r][1] - kb, vf) * rs;
+        }
     }
     const vf sa = ldpad(ep->cscale, ca), sb = ldpad(ep->cscale, cb);
     for (int r = 0; r < M; r++) {
@@ -584,6 +729,7 @@ MOE_TILE_FN(tile_f16, MOE_W_F16)
 MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
 MOE_TILE_FN(tile_fp4, MOE_W_FP4)
+MOE_TILE_FN(tile_i8q, MOE_W_I8Q)
 #if !defined(MOE_AMX) /* the amx build takes bf16p and bf16x3 on tiles (amx_bf16p.h) */
 MOE_TILE_FN(tile_bf16p, MOE_W_BF16P)
 MOE_TILE_FN(tile_bf16x3, MOE_W_BF16X3)
@@ -629,6 +775,7 @@ static tile_fn tile_for(int dt) {
         case MOE_W_I8: return tile_i8;
         case MOE_W_I4: return tile_i4;
         case MOE_W_FP4: return tile_fp4;
+        case MOE_W_I8Q: return tile_i8q;
 #if defined(MOE_AMX)
         case MOE_W_BF16P: return tile_bf16p_amx;
         case MOE_W_BF16X3: return tile_bf16x3_amx;
@@ -653,17 +800,26 @@ static inline const void *panel_gscale(const moe_packed *w, int64_t p, int64_t k
     return NULL;
 }
 
-/* Per-column scale of panel p (i8) or NULL. */
+/* Per-column scale of panel p (i8, i8q) or NULL. */
 static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
-    return w->dtype == MOE_W_I8 ? (const float *)w->scale + p * MOE_NR : NULL;
+    return w->dtype == MOE_W_I8 || w->dtype == MOE_W_I8Q ? (const float *)w->scale + p * MOE_NR
+                                                         : NULL;
+}
+
+static inline int64_t num_panels(const moe_packed *w);
+/* Column corrections of panel p (i8q: after the scales of every panel) or NULL. */
+static inline const int32_t *panel_ccorr(const moe_packed *w, int64_t p) {
+    return w->dtype == MOE_W_I8Q
+               ? (const int32_t *)w->scale + (num_panels(w) + p) * MOE_NR
+               : NULL;
 }
 
 static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
 
 /* Bytes of one activation input as the tiles read it: fp32 4, bf16 pairs 2, bf16x3's three
- * planes of them 6. */
+ * planes of them 6, i8q's bytes 1. */
 static inline int64_t input_bytes(int dt) {
-    return moe_pair_terms(dt) ? 2 * moe_pair_terms(dt) : 4;
+    return moe_pair_terms(dt) ? 2 * moe_pair_terms(dt) : dt == MOE_W_I8Q ? 1 : 4;
 }
 
 /* How a GEMM of `rows` activation rows against w is cut into work items, each rows [t0, t1)
@@ -781,12 +937,10 @@ static void run_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int6
     const int64_t t0 = c * g->tc, t1 = (c + 1) * g->tc < rows ? (c + 1) * g->tc : rows;
     const int64_t K = w->k, rb = krow_bytes(w->dtype);
     const int64_t kb = part ? g->kb : K, prows = (t1 - t0 + g->mr - 1) / g->mr * g->mr;
-    const int pairs = moe_pair_terms(w->dtype) > 0;
     int64_t k0 = 0;
     do { /* once when K == 0: the epilogue still writes act(bias) */
         const int64_t k1 = k0 + kb < K ? k0 + kb : K;
-        /* fp32 inputs one a float, bf16 pairs two a word (in each plane) */
-        const float *xk = x + (pairs ? k0 / 2 : k0);
+        const float *xk = x + act_words(w->dtype, k0);
         for (int64_t p = p0; p < p1; p++) {
             /* what the item reads next: the next panel's k-block, or the first panel's next */
             const int64_t np = p + 1 < p1 ? p + 1 : p0, nk0 = p + 1 < p1 ? k0 : k1,
@@ -797,6 +951,7 @@ static void run_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int6
             epilogue ep = *base;
             ep.ncol = (int)(nout - p * width < width ? nout - p * width : width);
             ep.cscale = panel_cscale(w, p);
+            ep.ccorr = panel_ccorr(w, p);
             ep.bias = base->bias ? base->bias + p * MOE_NR : NULL;
             ep.out = base->out + p * width;
             ep.part = part ? part + (p - p0) * prows * MOE_NR : NULL;
@@ -815,6 +970,7 @@ static void run_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int6
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     const int terms = moe_pair_terms(w->dtype), bf16p = terms > 0;
+    const int form = act_form(w->dtype);
     const int64_t P = num_panels(w);
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
     const gemm_plan g = plan_gemm(w, T, parallel ? nthreads : 1);
@@ -825,9 +981,11 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
         if (!padded_bias) return -2;
         memcpy(padded_bias, bias, sizeof(float) * (size_t)w->n);
     }
-    if (bf16p) { /* the rows as bf16 pairs (or bf16x3 planes), once for every panel,
-                  * MOE_PAD_ROWS rows spare */
-        const int64_t ldp = terms == 3 ? moe_act_stride(w->k, 3) : moe_row_stride((w->k + 1) / 2);
+    if (form) { /* the rows as bf16 pairs, bf16x3 planes or i8q quads, once for every panel,
+                 * MOE_PAD_ROWS rows spare */
+        const int64_t ldp = form == ACT_Q8 ? moe_q8_stride(w->k)
+                            : terms == 3   ? moe_act_stride(w->k, 3)
+                                           : moe_row_stride((w->k + 1) / 2);
         pairs = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)((T + MOE_PAD_ROWS) * ldp));
         if (!pairs) {
             free(padded_bias);
@@ -835,12 +993,13 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
         }
         memset(pairs + T * ldp, 0, sizeof(uint32_t) * (size_t)(MOE_PAD_ROWS * ldp));
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
-        for (int64_t t = 0; t < T; t++) to_terms(x + t * ldx, w->k, (float *)(pairs + t * ldp), ldp, terms);
+        for (int64_t t = 0; t < T; t++) to_form(x + t * ldx, w->k, (float *)(pairs + t * ldp), ldp, form);
         x = (const float *)pairs;
         ldx = ldp;
     }
     const epilogue base = {.mode = EPI_LINEAR, .bias = padded_bias, .act = act, .out = y,
-                           .ldo = ldy};
+                           .ldo = ldy, .rscale = form == ACT_Q8 ? x + ldx - 1 : NULL,
+                           .rstride = ldx};
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
     /* k-blocked plans: the thread's buffer of raw sums (without it, k is walked whole) */
@@ -858,26 +1017,28 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
 }
 
 /* The SwiGLU experts (see moe_isa_ops.moe_ffn). Returns 0, -1 when an index names an expert
- * that is out of range or absent, -2 when out of memory, -3 when the experts mix bf16p or
- * bf16x3 with other storage (the gathered rows are bf16 pairs, bf16x3 planes or fp32 for all
- * of them). */
+ * that is out of range or absent, -2 when out of memory, -3 when the experts mix bf16p,
+ * bf16x3 or i8q with other storage (the gathered rows are bf16 pairs, bf16x3 planes, i8q
+ * quads or fp32 for all of them), or an expert holds i8q beside bf16p or bf16x3. */
 static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx,
                         const float *weight, int top_k, const moe_expert *experts, int E,
                         const moe_glu *glu, float *out, float *work, int32_t *iwork,
                         int nthreads) {
     const int64_t rows = T * top_k;
     int64_t I = 0;
-    /* the terms of w13 / w2's activations (moe_pair_terms; -1: no expert yet) */
-    int pairs13 = -1, pairs2 = -1;
+    /* the forms of w13 / w2's activations (act_form; -1: no expert yet) */
+    int form13 = -1, form2 = -1;
     for (int e = 0; e < E; e++) {
         if (!experts[e].w13.data) continue;
-        const int p13 = moe_pair_terms(experts[e].w13.dtype),
-                  p2 = moe_pair_terms(experts[e].w2.dtype);
+        const int p13 = act_form(experts[e].w13.dtype), p2 = act_form(experts[e].w2.dtype);
+        /* the work rows are laid out for one of bf16x3's planes and i8q's scale word */
+        if ((p13 == ACT_Q8 && p2 > 0 && p2 != ACT_Q8) || (p2 == ACT_Q8 && p13 > 0 && p13 != ACT_Q8))
+            return -3;
         if (I == 0) {
             I = experts[e].w2.k;
-            pairs13 = p13;
-            pairs2 = p2;
-        } else if (p13 != pairs13 || p2 != pairs2) {
+            form13 = p13;
+            form2 = p2;
+        } else if (p13 != form13 || p2 != form2) {
             return -3;
         }
     }
@@ -899,7 +1060,9 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     }
     /* gathered rows and activations, each followed by MOE_PAD_ROWS spare rows (AMX tiles read
      * whole row tiles) */
-    const int terms = pairs13 > pairs2 ? pairs13 : pairs2; /* as work_floats sized it */
+    /* the pair terms (bf16p, bf16x3), as work_floats sized it; i8q rows fit fp32's strides */
+    const int pairs13 = form13 == ACT_Q8 ? 0 : form13, pairs2 = form2 == ACT_Q8 ? 0 : form2;
+    const int terms = pairs13 > pairs2 ? pairs13 : pairs2;
     const int64_t ldh = moe_act_stride(H, terms), ldi = moe_act_stride(I, terms);
     float *xg = work, *act = xg + (rows + MOE_PAD_ROWS) * ldh,
           *slots = act + (rows + MOE_PAD_ROWS) * ldi;
@@ -928,8 +1091,8 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; i++) {
             const float *src = x + (by_expert[i] / top_k) * H;
-            if (pairs13 > 0) /* bf16 pairs at the fp32 row stride, or bf16x3 planes */
-                to_terms(src, H, xg + i * ldh, ldh, pairs13);
+            if (form13 > 0) /* bf16 pairs at the fp32 row stride, bf16x3 planes, i8q quads */
+                to_form(src, H, xg + i * ldh, ldh, form13);
             else
                 memcpy(xg + i * ldh, src, sizeof(float) * H);
         }
@@ -939,20 +1102,22 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             if (n == 0) continue;
             const moe_packed *w = &experts[e].w13;
             const gemm_plan g = plan_gemm(w, n, team);
-            const epilogue base = {.mode = EPI_SWIGLU, .bias = experts[e].b13, .glu = glu,
-                                   .out = act32 + (int64_t)offset[e] * ld32, .ldo = ld32};
             const float *xe = xg + (int64_t)offset[e] * ldh;
+            const epilogue base = {.mode = EPI_SWIGLU, .bias = experts[e].b13, .glu = glu,
+                                   .out = act32 + (int64_t)offset[e] * ld32, .ldo = ld32,
+                                   .rscale = form13 == ACT_Q8 ? xe + ldh - 1 : NULL,
+                                   .rstride = ldh};
 #pragma omp for schedule(dynamic, 1) nowait
             /* a panel's 16 gate and 16 up columns give 16 outputs */
             for (int64_t it = 0; it < g.items; it++)
                 run_item(&g, w, n, it, xe, ldh, &base, 16, I, part);
         }
 #pragma omp barrier
-        if (pairs2 > 0) { /* the activations as bf16 pairs (in place: act32 is act, row stride
-                           * kept) or bf16x3 planes (from act32's fp32 rows) */
+        if (form2 > 0) { /* the activations as bf16 pairs or i8q quads (in place: act32 is
+                          * act, row stride kept) or bf16x3 planes (from act32's fp32 rows) */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < rows; i++)
-                to_terms(act32 + i * ld32, I, act + i * ldi, ldi, pairs2);
+                to_form(act32 + i * ld32, I, act + i * ldi, ldi, form2);
         }
         /* down GEMM, each row weighted by its routing weight into its (token, slot) row */
         for (int e = 0; e < E; e++) {
@@ -960,9 +1125,11 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
             if (n == 0) continue;
             const moe_packed *w = &experts[e].w2;
             const gemm_plan g = plan_gemm(w, n, team);
-            const epilogue base = {.mode = EPI_SCATTER, .bias = experts[e].b2, .out = slots,
-                                   .ldo = H, .rows = by_expert + offset[e], .weight = weight};
             const float *ae = act + (int64_t)offset[e] * ldi;
+            const epilogue base = {.mode = EPI_SCATTER, .bias = experts[e].b2, .out = slots,
+                                   .ldo = H, .rows = by_expert + offset[e], .weight = weight,
+                                   .rscale = form2 == ACT_Q8 ? ae + ldi - 1 : NULL,
+                                   .rstride = ldi};
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < g.items; it++)
                 run_item(&g, w, n, it, ae, ldi, &base, MOE_NR, H, part);

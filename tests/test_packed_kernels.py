@@ -6,7 +6,10 @@ whatever rows share its call (batch invariance), and the same on every FMA-capab
 bf16p (engine.matmul_precision=medium) rounds the activations to bf16 before its GEMMs; its
 reference does the same, and AVX512-BF16's vdpbf16ps is compared with the FMA builds' emulation
 of it. bf16x3 (matmul_precision=high) splits them into three bf16 terms summing to them exactly:
-its reference takes x as it is, and its results are held to fp32's tolerance."""
+its reference takes x as it is, and its results are held to fp32's tolerance. int8q (medium on
+int8 experts) quantizes each activation row to int8 and sums integer products exactly: its
+linear is bitwise a torch formula of the same integers, on every ISA (AVX512-VNNI's vpdpbusd
+and the other builds' vpmaddwd alike)."""
 from __future__ import annotations
 
 import pytest
@@ -24,8 +27,21 @@ FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
          "bf16p": torch.bfloat16, "bf16x3": torch.bfloat16}
 
 
+def q8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8q's activations written out: per row, q = rint(x * (127 / max|x|)) in fp32 (a row of
+    zeros: q = 0) and the scale max|x| / 127, as int64 codes and fp32 scales."""
+    x = x.float()
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]).clamp(-127, 127).long(), amax / 127.0
+
+
 def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
-    """What the kernel multiplies the weights by, in fp64: bf16p rounds x to bf16 first."""
+    """What the kernel multiplies the weights by, in fp64: bf16p rounds x to bf16 first, int8q
+    quantizes its rows."""
+    if storage == packed.QUAD_STORAGE:
+        q, scale = q8_rows(x)
+        return q.double() * scale.double()[:, None]
     return (x.float().bfloat16() if storage == packed.PAIR_STORAGE else x).double()
 
 
@@ -45,7 +61,7 @@ def dequantized(w: torch.Tensor, storage: str) -> torch.Tensor:
         grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
         mag = grid[((g / scale).abs()[..., None] - grid).abs().argmin(dim=-1)]
         return (torch.sign(g) * mag * scale).reshape(n, k)
-    if storage == "int8":
+    if storage in ("int8", packed.QUAD_STORAGE):
         scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
         return torch.round(w / scale).clamp(-127, 127) * scale
     g = w.reshape(n, k // 32, 32)
@@ -132,7 +148,11 @@ def _experts(num: int, hidden: int, inter: int, storage: str, seed: int = 0):
 
 
 def _moe_reference(w13, w2, storage, h, weights, indices, b13=None, b2=None, clamp=None):
+    """The experts in fp64, and how far one activation's quantization step moves an output
+    (int8q; else 0): the kernel's SwiGLU outputs are fp32 and the reference's fp64, so a value
+    within an ulp of a rounding boundary can land on the neighbouring int8 code."""
     out = torch.zeros(h.shape, dtype=torch.float64)
+    step = 0.0
     inter = w2[0].shape[1]
     for e in range(len(w13)):
         tok, slot = (indices == e).nonzero(as_tuple=True)
@@ -148,10 +168,13 @@ def _moe_reference(w13, w2, storage, h, weights, indices, b13=None, b2=None, cla
             gate, up = gate.clamp(max=clamp.limit), up.clamp(-clamp.limit, clamp.limit)
             act = (up + 1) * (gate * torch.sigmoid(gate * clamp.alpha))
         y = activations(act, storage) @ dequantized(w2[e], storage).T
+        if storage == packed.QUAD_STORAGE:
+            step = max(step, (act.abs().max() / 127 * dequantized(w2[e], storage).abs().max()
+                              * weights.abs().max()).item())
         if b2 is not None:
             y = y + b2[e].double()
         out.index_add_(0, tok, weights[tok, slot].double()[:, None] * y)
-    return out
+    return out, step
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -168,8 +191,8 @@ def test_moe_ffn_matches_fp64_reference(isa, storage, tokens):
     indices = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2)
     out = packed.packed_moe_ffn(experts, h, weights, indices, isa=isa, threads=2)
-    ref = _moe_reference(w13, w2, storage, h, weights, indices)
-    assert (out.double() - ref).abs().max().item() < tolerance(storage)
+    ref, step = _moe_reference(w13, w2, storage, h, weights, indices)
+    assert (out.double() - ref).abs().max().item() < tolerance(storage) + 2 * step
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -192,8 +215,8 @@ def test_gpt_oss_experts_biases_and_clamped_swiglu(isa, storage, tokens):
     indices = torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2)
     out = packed.packed_moe_ffn(experts, h, weights, indices, isa=isa, threads=2)
-    ref = _moe_reference(w13, w2, storage, h, weights, indices, b13, b2, clamp)
-    assert (out.double() - ref).abs().max().item() < tolerance(storage)
+    ref, step = _moe_reference(w13, w2, storage, h, weights, indices, b13, b2, clamp)
+    assert (out.double() - ref).abs().max().item() < tolerance(storage) + 2 * step
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -220,7 +243,7 @@ def test_mxfp4_rows_as_loaded_pack_without_requantizing(isa):
         assert torch.equal(a, b)
     h, idx, wts = torch.randn(9, hidden), torch.zeros(9, 1, dtype=torch.int64), torch.ones(9, 1)
     out = packed.packed_moe_ffn([direct], h, wts, idx, isa=isa)
-    ref = _moe_reference([w13], [w2], "mxfp4", h, wts, idx)
+    ref, _ = _moe_reference([w13], [w2], "mxfp4", h, wts, idx)
     assert (out.double() - ref).abs().max().item() < tolerance("mxfp4")
     as_bf16 = packed.pack_expert(rows, "bf16")
     ref_bf16 = packed.pack_expert(ExpertWeights(mxfp4.dequantize(rows.w13, s13),
@@ -250,7 +273,7 @@ def test_moe_ffn_rejects_an_absent_expert():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3"])
+@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3", "int8q"])
 def test_a_rows_result_does_not_depend_on_its_batch(isa, storage):
     """Bitwise: one row alone, in a batch of 7, of 64, of 500 and of 800, at another position.
     136 and 104 inputs are not whole AMX steps of 32 (the amx build adds the last pairs after
@@ -288,8 +311,10 @@ def test_a_long_input_is_walked_in_k_blocks_with_the_same_results(isa, storage):
     item's activations in L2, so the kernels walk k in blocks (gemm_k_block), the raw sums
     kept between blocks: the linear's and the down GEMM's rows are bitwise what they are alone
     (walked whole), and within fp32's rounding of the fp64 reference. 5604 is no multiple of
-    the block, and its 2802 pairs none of AMX's 16 (the last pairs come after the tiles)."""
-    k, rows = (5664 if storage in packed.NIBBLE_STORAGE else 5604), 100
+    the block, and its 2802 pairs none of AMX's 16 (the last pairs come after the tiles).
+    int8q's rows take a byte an input: 11604 of them overflow it."""
+    k = {"int4": 5664, "mxfp4": 5664, "int8q": 11604}.get(storage, 5604)
+    rows = 100
     assert packed.gemm_k_block(rows, k, storage, isa) < k == packed.gemm_k_block(1, k, storage, isa)
     torch.manual_seed(3)
     w, b, x = torch.randn(40, k) * 0.1, torch.randn(40), torch.randn(rows, k)
@@ -304,19 +329,20 @@ def test_a_long_input_is_walked_in_k_blocks_with_the_same_results(isa, storage):
     h, wts = torch.randn(rows, 64), torch.rand(rows, 2)
     idx = torch.tensor([[0, 1]]).repeat(rows, 1)
     out = packed.packed_moe_ffn(experts, h, wts, idx, isa=isa, threads=2)
-    ref = _moe_reference(w13, w2, storage, h, wts, idx)
-    assert (out.double() - ref).abs().max().item() < 20 * tolerance(storage)
+    ref, step = _moe_reference(w13, w2, storage, h, wts, idx)
+    assert (out.double() - ref).abs().max().item() < 20 * tolerance(storage) + 2 * step
     for r in (0, 99):
         alone = packed.packed_moe_ffn(experts, h[r:r + 1], wts[r:r + 1], idx[r:r + 1], isa=isa,
                                       threads=1)
         assert torch.equal(out[r], alone[0])
 
 
-@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3"])
+@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3", "int8q"])
 def test_fma_isas_agree_bitwise(storage):
     # AVX512BF16 and AMX run bf16 weights with the AVX-512 code: they join the comparison;
     # bf16p and bf16x3 run there on vdpbf16ps / AMX tiles (compared with a tolerance below), on
-    # the others as FMAs
+    # the others as FMAs; int8q's integer sums are the same whichever instruction (vpdpbusd
+    # or vpmaddwd) and so are its FMA SwiGLUs
     fma = [isa for isa in ISAS if isa != "generic" and not (
         storage in packed.PAIR_STORAGES and isa in packed.NATIVE_BF16_ISAS)]
     if len(fma) < 2:
@@ -358,7 +384,7 @@ def test_experts_that_mix_bf16_pairs_with_fp32_rows_are_refused():
     _, _, rows = _experts(2, 32, 32, "bf16")
     _, _, terms = _experts(2, 32, 32, "bf16x3")
     for a, b in ((pairs[0], rows[1]), (terms[0], rows[1]), (terms[0], pairs[1])):
-        with pytest.raises(ValueError, match="mix bf16p or bf16x3"):
+        with pytest.raises(ValueError, match="mix bf16p, bf16x3 or i8q"):
             packed.packed_moe_ffn([a, b], torch.randn(2, 32), torch.ones(2, 1),
                                   torch.tensor([[0], [1]]))
 
@@ -375,7 +401,7 @@ def test_an_expert_whose_projections_take_different_activation_terms(isa):
     torch.manual_seed(3)
     h, idx, wts = torch.randn(333, 72), torch.randint(0, 3, (333, 2)), torch.rand(333, 2)
     out = packed.packed_moe_ffn(mixed, h, wts, idx, isa=isa, threads=2)
-    ref = _moe_reference(w13, w2, "bf16", h, wts, idx)
+    ref, _ = _moe_reference(w13, w2, "bf16", h, wts, idx)
     assert (out.double() - ref).abs().max().item() < tolerance("bf16")
 
 
@@ -399,3 +425,60 @@ def test_bf16_dot_probe_measures_a_positive_rate_on_every_isa(isa):
     assert packed.fma_peak_flops(seconds=0.01, threads=1, isa=isa, kind="bf16_dot") > 1e8
     with pytest.raises(ValueError, match="probe"):
         packed.fma_peak_flops(seconds=0.01, kind="int8")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens, n, k", [(1, 32, 16), (3, 45, 37), (17, 70, 130),
+                                          (64, 96, 1024), (333, 40, 700)])
+def test_int8q_linear_is_its_integer_formula_bitwise(isa, tokens, n, k):
+    """int8q: (float)(sum of int8 codes' products) * row scale * column scale + bias, the sum
+    exact: bitwise the same torch formula on every ISA, k not a multiple of 4 included (its
+    last quad padded with zero inputs)."""
+    torch.manual_seed(k)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(tokens, k)
+    xq, xs = q8_rows(x)
+    ws = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    wq = torch.round(w / ws[:, None]).clamp(-127, 127).long()
+    ref = ((xq @ wq.T).float() * xs[:, None]) * ws[None, :] + b
+    y = packed.packed_linear(x, packed.pack_linear(w, "int8q"), b, isa=isa, threads=2)
+    assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8q_rows_of_zeros_and_non_finite_values(isa):
+    """A row of zeros gives the bias (its scale is 0, not a division by zero); a row with an
+    inf or a NaN gives NaN, as an fp32 GEMM's outputs would not be finite either; the rows
+    beside them are unaffected."""
+    lin = packed.pack_linear(torch.randn(8, 12), "int8q")
+    b = torch.randn(8)
+    x = torch.randn(4, 12)
+    x[1] = 0.0
+    x[2, 5] = float("inf")
+    x[3, 0] = float("nan")
+    y = packed.packed_linear(x, lin, b, isa=isa)
+    assert torch.equal(y[1], b)
+    assert y[2].isnan().all() and y[3].isnan().all()
+    assert torch.equal(y[0], packed.packed_linear(x[:1], lin, b, isa=isa)[0])
+
+
+def test_int8q_packs_its_column_corrections_and_refuses_sizes_it_cannot_hold():
+    """The scales tensor holds the fp32 column scales, then 128 * each column's sum of codes as
+    int32 bits; experts need multiples of 4, and k beyond the int32 sums' range is refused."""
+    w = torch.tensor([[1.0, -1.0, 0.5, 0.0, 1.0], [0.0] * 5])
+    lin = packed.pack_linear(w, "int8q")
+    assert lin.data.shape == (1, 2, packed.QUAD_BYTES) and lin.data.dtype == torch.int8
+    corr = lin.scale[packed.NR:].view(torch.int32)
+    assert corr[0].item() == 128 * (127 - 127 + 64 + 0 + 127) and corr[1:].eq(0).all()
+    assert packed.I8Q_MAX_K == packed._ext.I8Q_MAX_K
+    with pytest.raises(ValueError, match="multiples of 4"):
+        packed.pack_expert(ExpertWeights(torch.randn(2 * 6, 64), torch.randn(64, 6)), "int8q")
+    with pytest.raises(ValueError, match="at most"):
+        packed.pack_linear(torch.randn(1, packed.I8Q_MAX_K + 4), "int8q")
+
+
+def test_int8q_experts_beside_other_storage_are_refused():
+    _, _, quads = _experts(2, 32, 32, "int8q")
+    _, _, rows = _experts(2, 32, 32, "int8")
+    with pytest.raises(ValueError, match="mix bf16p, bf16x3 or i8q"):
+        packed.packed_moe_ffn([quads[0], rows[1]], torch.randn(2, 32), torch.ones(2, 1),
+                              torch.tensor([[0], [1]]))

@@ -38,7 +38,8 @@ _ext = import_kernel("moe_engine._kernels.packed_gemm")
 HAS_PACKED_KERNELS: bool = _ext is not None
 NR = 32  # output columns per panel (moe_isa.h MOE_NR)
 I4_GROUP = 32  # inputs per int4 scale group (MOE_I4_GROUP); MXFP4's blocks are as wide
-STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p", "bf16x3")
+I8Q_MAX_K = 65536  # int8q's most inputs (MOE_I8Q_MAX_K): its int32 sums must not overflow
+STORAGE_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4", "mxfp4", "bf16p", "bf16x3", "int8q")
 NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 32 inputs
 # PAIR_STORAGE (bf16p): bf16 weights whose GEMMs round the activations to bf16
 # (engine.matmul_precision=medium): k in pairs, one 32-bit word a column and pair, so
@@ -48,6 +49,14 @@ NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 3
 # storage), whose GEMMs split each activation into three bf16 terms summing to it exactly:
 # fp32 results at 3x bf16p's multiply-adds, which AMX tiles still do faster than fp32 FMAs
 PAIR_STORAGES = (PAIR_STORAGE, BF16X3_STORAGE)
+# QUAD_STORAGE (int8q): int8's values and per-channel scales with k in quads, whose GEMMs
+# quantize each activation row to int8 (engine.matmul_precision=medium on int8 experts):
+# AVX512-VNNI's vpdpbusd does four multiply-adds a lane into exact int32 sums; other CPUs
+# compute the same sums with vpmaddwd (same bits, no faster than int8's FMAs)
+QUAD_STORAGE = "int8q"
+QUAD_BYTES = 4 * NR  # bytes of a quad-row: 32 columns x 4 inputs
+# ISA builds with vpdpbusd (elsewhere int8q is emulated: no faster)
+NATIVE_INT8_DOT_ISAS = ("avx512bf16", "amx")
 # ISA builds that multiply bf16 pairs natively (elsewhere bf16p is emulated: no faster)
 NATIVE_BF16_ISAS = ("avx512bf16", "amx")
 # ISA builds that run bf16p and bf16x3 on AMX tiles (bf16x3 pays only there)
@@ -55,10 +64,10 @@ TILE_ISAS = (TILE_ISA,)
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                   "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
-                  "bf16p": torch.bfloat16, "bf16x3": torch.bfloat16}
+                  "bf16p": torch.bfloat16, "bf16x3": torch.bfloat16, "int8q": torch.int8}
 _CODES = ({"fp32": _ext.W_F32, "bf16": _ext.W_BF16, "fp16": _ext.W_F16, "int8": _ext.W_I8,
            "int4": _ext.W_I4, "mxfp4": _ext.W_FP4, "bf16p": _ext.W_BF16P,
-           "bf16x3": _ext.W_BF16X3}
+           "bf16x3": _ext.W_BF16X3, "int8q": _ext.W_I8Q}
           if _ext is not None else {})
 _ISA_CODES = {name: code for code, name in _ext.ISA_NAMES.items()} if _ext is not None else {}
 
@@ -124,7 +133,7 @@ def _quantize(w: torch.Tensor, storage: str) -> tuple[torch.Tensor, Optional[tor
     if storage == "mxfp4":
         return mxfp4.quantize(w)
     wf = w.float()
-    if storage == "int8":
+    if storage in ("int8", QUAD_STORAGE):
         scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         return torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
     if storage == "int4":
@@ -163,6 +172,11 @@ def _panels(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
         pairs = panels.reshape(p, -1, 2, NR).transpose(2, 3).contiguous()  # [P, k/2, 32, 2]
         words = torch.int32 if storage == PAIR_STORAGE else torch.uint32
         panels = pairs.view(words).reshape(p, -1, NR)
+    elif storage == QUAD_STORAGE:
+        # byte i of word c of quad-row j = W[32p + c, 4j + i]; k padded with zero inputs
+        if k % 4:
+            panels = torch.cat([panels, panels.new_zeros(p, 4 - k % 4, NR)], dim=1)
+        panels = panels.reshape(p, -1, 4, NR).transpose(2, 3).reshape(p, -1, QUAD_BYTES)
     if scale is not None and storage in NIBBLE_STORAGE:
         scale = scale.reshape(p, NR, k // I4_GROUP).transpose(1, 2)  # [P, k/32, 32]
     if scale is not None and storage != "mxfp4":  # MXFP4 keeps its E8M0 bytes
@@ -173,11 +187,20 @@ def _panels(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
 def _pack_rows(q: torch.Tensor, scale: Optional[torch.Tensor], storage: str
                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Pad a quantized row-major [n, k] weight (and its per-row scales) to whole panels and
-    lay it out; int8 scales come back flat in packed column order."""
+    lay it out; int8 scales come back flat in packed column order, int8q's followed by its
+    column corrections (128 * the column's sum of codes, int32 bits in the fp32 tensor)."""
     padded = -(-q.shape[0] // NR) * NR
-    data, scale = _panels(_pad_rows(q, padded),
-                          _pad_rows(scale, padded) if scale is not None else None, storage)
-    return data, (scale.reshape(-1) if scale is not None and storage == "int8" else scale)
+    if storage == QUAD_STORAGE and q.shape[1] > I8Q_MAX_K:
+        raise ValueError(f"int8q takes at most {I8Q_MAX_K} inputs (int32 sums), got "
+                         f"{q.shape[1]}")
+    q = _pad_rows(q, padded)
+    data, scale = _panels(q, _pad_rows(scale, padded) if scale is not None else None, storage)
+    if scale is not None and storage in ("int8", QUAD_STORAGE):
+        scale = scale.reshape(-1)
+    if storage == QUAD_STORAGE:
+        corr = (q.to(torch.int32).sum(dim=1, dtype=torch.int32) * 128).view(torch.float32)
+        scale = torch.cat([scale, corr]).contiguous()
+    return data, scale
 
 
 def pack_linear(w: torch.Tensor, storage: str) -> PackedLinear:
@@ -227,11 +250,15 @@ def pack_expert(mlp: ExpertWeights, storage: str) -> ExpertWeights:
     """A SwiGLU MLP (w13 = [gate; up] [2I, H], w2 = down [H, I], or MXFP4 rows) packed for
     `packed_moe_ffn`, biases (fp32, in packed column order, padded to whole panels) and clamp
     kept. Quantized storage scales each row as a whole, before the gate/up reorder. bf16p
-    needs even H and I (a packed expert's shape says its pair-rows, not an odd k)."""
+    needs even H and I (a packed expert's shape says its pair-rows, not an odd k), int8q
+    multiples of 4 (its quad-rows)."""
     rows = is_mxfp4_rows(mlp)
     if storage in PAIR_STORAGES and (mlp.w2.shape[0] % 2 or mlp.w2.shape[1] % 2):
         raise ValueError(f"{storage} experts need an even hidden and intermediate size, got "
                          f"{tuple(mlp.w2.shape)}")
+    if storage == QUAD_STORAGE and (mlp.w2.shape[0] % 4 or mlp.w2.shape[1] % 4):
+        raise ValueError(f"{storage} experts need a hidden and intermediate size that are "
+                         f"multiples of 4, got {tuple(mlp.w2.shape)}")
     q13, s13 = _quantized_rows(mlp.w13, mlp.s13, rows, storage)
     p13, s13 = _pack_rows(_gate_up_rows(q13), _gate_up_rows(s13) if s13 is not None else None,
                           storage)
@@ -298,9 +325,12 @@ def is_packed(expert: ExpertWeights) -> bool:
 
 
 def packed_inputs(panels: torch.Tensor) -> int:
-    """The input size k of a packed expert projection [P, rows, 32|16]: its rows, or twice
-    them for bf16p's pair-rows (an expert's k is even there, see pack_expert)."""
-    return panels.shape[1] * (2 if _storage_of(panels, None) in PAIR_STORAGES else 1)
+    """The input size k of a packed expert projection [P, rows, 32|16|128]: its rows, twice
+    them for bf16p's pair-rows (an expert's k is even there, see pack_expert), four times
+    int8q's quad-rows (a multiple of 4 there)."""
+    storage = _storage_of(panels, None)
+    return panels.shape[1] * (2 if storage in PAIR_STORAGES else 4 if storage == QUAD_STORAGE
+                              else 1)
 
 
 def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
@@ -311,7 +341,7 @@ def _storage_of(data: torch.Tensor, scale: Optional[torch.Tensor]) -> str:
     if data.dtype == torch.uint8:
         return "mxfp4" if scale is not None and scale.dtype == torch.uint8 else "int4"
     if data.dtype == torch.int8:
-        return "int8"
+        return QUAD_STORAGE if data.shape[-1] == QUAD_BYTES else "int8"
     return storage_name(data.dtype)
 
 
