@@ -5,7 +5,9 @@ small-mixtral's expert shape (H 1024, I 3584) and Mixtral-8x7B's (H 4096, I 1433
 GPT-OSS's (H = I = 2880; `--shapes gpt-oss --storage mxfp4`: its experts as released):
   kernel      moe_engine.model.packed.packed_moe_ffn, weights bf16 (--storage), fp32 activations
               (--storage bf16p: bf16 pairs and bf16 activations, engine.matmul_precision=medium;
-              --storage bf16x3: the same pairs, each activation as three bf16 terms, high)
+              --storage bf16x3: the same pairs, each activation as three bf16 terms, high;
+              --storage int8q: int8 weights, activation rows quantized to int8, medium on
+              int8 experts: AVX512-VNNI's vpdpbusd, its peak the compute roof)
   torch fp32  F.linear on fp32 weights (2x the memory of the checkpoint)
   torch bf16  F.linear on the bf16 weights (what a bf16 checkpoint runs through torch)
 Each call reads its weights from DRAM as the engine does (copies rotated until they exceed the
@@ -112,7 +114,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024")
     ap.add_argument("--shapes", default="small-mixtral,mixtral-8x7b")
-    ap.add_argument("--storage", default="bf16", help="kernel weight storage: bf16|fp32|fp16|int8|int4|mxfp4|bf16p|bf16x3")
+    ap.add_argument("--storage", default="bf16",
+                    help="kernel weight storage: " + "|".join(packed.STORAGE_DTYPES))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--bf16-flops-limit", type=float, default=4e11,
                     help="skip torch bf16 above this many FLOPs per call (it runs at ~15 GFLOP/s "
@@ -131,6 +134,9 @@ def main() -> None:
         if args.storage == packed.BF16X3_STORAGE:  # three products a weight
             peak /= 3
             roof += f" (bf16x3: a third, {peak:.0f})"
+    elif args.storage == packed.QUAD_STORAGE:  # its compute roof is the int8 dot product's
+        peak = machine_info.fma_peak_gflops(args.threads, kind="int8_dot")
+        roof += f", int8 dot-product peak {peak:.0f} GOP/s"
     print(f"# roofs: read {bw:.1f} GB/s, {roof}; kernel storage {args.storage}, ISA "
           f"{packed.ISA}", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]

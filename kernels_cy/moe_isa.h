@@ -75,7 +75,7 @@ static inline int moe_pair_terms(int dtype) {
  * 127 each) stays within int32. */
 #define MOE_I8Q_MAX_K 65536
 enum moe_act { MOE_ACT_NONE = 0, MOE_ACT_SIGMOID = 1 };
-enum moe_probe { MOE_PROBE_FMA = 0, MOE_PROBE_BF16_DOT = 1 };
+enum moe_probe { MOE_PROBE_FMA = 0, MOE_PROBE_BF16_DOT = 1, MOE_PROBE_I8_DOT = 2 };
 /* The experts' gated activation: SiLU(gate) * up, or GPT-OSS's clamped form
  * (up + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), up clamped to [-limit, limit]. */
 enum moe_glu_kind { MOE_GLU_SILU = 0, MOE_GLU_CLAMPED = 1 };
@@ -148,10 +148,12 @@ typedef struct {
     int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx, const float *weight,
                     int top_k, const moe_expert *experts, int num_experts, const moe_glu *glu,
                     float *out, float *work, int32_t *iwork, int nthreads);
-    /* FLOP/s probe: n iterations of 12 chains per thread of fp32 FMAs (MOE_PROBE_FMA) or of
+    /* FLOP/s probe: n iterations of 12 chains per thread of fp32 FMAs (MOE_PROBE_FMA), of
      * bf16 pair dot products (MOE_PROBE_BF16_DOT: vdpbf16ps, two multiply-adds a lane, where
      * the build has it; elsewhere the two FMAs bf16p weights cost; on the amx build four
-     * tdpbf16ps on tiles); returns a checksum. */
+     * tdpbf16ps on tiles) or of int8 quad dot products (MOE_PROBE_I8_DOT: vpdpbusd, four
+     * multiply-adds a lane, where the build has it; elsewhere i8q's vpmaddwd); returns a
+     * checksum. */
     double (*fma_probe)(int64_t n, int nthreads, int kind);
     /* FLOPs one iteration of fma_probe(kind) does on one thread. */
     int64_t (*probe_flops)(int kind);

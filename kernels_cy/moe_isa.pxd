@@ -10,7 +10,7 @@ cdef extern from "moe_isa.h" nogil:
     int MOE_ISA_GENERIC, MOE_ISA_AVX2, MOE_ISA_AVX512, MOE_ISA_AVX512BF16, MOE_ISA_AMX
     int MOE_ISA_COUNT
     int MOE_ACT_NONE, MOE_ACT_SIGMOID
-    int MOE_PROBE_FMA, MOE_PROBE_BF16_DOT
+    int MOE_PROBE_FMA, MOE_PROBE_BF16_DOT, MOE_PROBE_I8_DOT
     int MOE_GLU_SILU, MOE_GLU_CLAMPED
     ctypedef struct moe_glu:
         int kind

@@ -117,7 +117,7 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
         raise MemoryError("moe_ffn: scratch allocation failed")
 
 
-PROBE_FMA, PROBE_BF16_DOT = MOE_PROBE_FMA, MOE_PROBE_BF16_DOT
+PROBE_FMA, PROBE_BF16_DOT, PROBE_I8_DOT = MOE_PROBE_FMA, MOE_PROBE_BF16_DOT, MOE_PROBE_I8_DOT
 
 
 def probe_flops(int isa, int kind=MOE_PROBE_FMA):
@@ -127,8 +127,8 @@ def probe_flops(int isa, int kind=MOE_PROBE_FMA):
 
 def fma_probe(int64_t n, int nthreads, int isa, int kind=MOE_PROBE_FMA):
     """Checksum of n iterations per thread of the FLOP/s probe (probe_flops each): 12
-    independent chains of fp32 FMAs (PROBE_FMA) or bf16 pair dot products (PROBE_BF16_DOT; on
-    the amx build, four independent tdpbf16ps)."""
+    independent chains of fp32 FMAs (PROBE_FMA), bf16 pair dot products (PROBE_BF16_DOT; on
+    the amx build, four independent tdpbf16ps) or int8 quad dot products (PROBE_I8_DOT)."""
     cdef const moe_isa_ops *ops = isa_ops(isa)
     cdef double r
     nthreads = max(nthreads, 1)

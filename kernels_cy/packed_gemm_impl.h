@@ -364,6 +364,12 @@ static inline vi madd16(vi a, vi b) {
 #endif
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN_VEC(x) __asm__("" : "+v"(x))
+#else
+#define PIN_VEC(x) ((void)0)
+#endif
+
 static inline vi bcast_word(uint32_t w) {
     vi r = (vi){0} + (int32_t)w;
     return r;
@@ -1176,6 +1182,19 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
 #define DOT(a) a = (a + mh * mh) + ml * ml
 #endif
 #define FMA(a) a = a * m + c
+        /* int8 quads (i8q): vpdpbusd where the build has it, else the two vpmaddwd and adds a
+         * quad the i8q micro-kernel does; the bytes (1, -1 alternating) keep the sums small */
+        vi qw = bcast_word(0xff01ff01u);
+#if VW == 16 && defined(__AVX512VNNI__)
+#define QDOT(a) a = (vf)_mm512_dpbusd_epi32((__m512i)a, (__m512i)qw, (__m512i)qw); PIN_VEC(qw)
+#else
+        vi qe = (vi)(((vs16)qw << 8) >> 8), qo = (vi)((vs16)qw >> 8), xe = qw & 0x00ff00ff,
+           xo = (qw >> 8) & 0x00ff00ff;
+        /* the operands made opaque at each step, or the compiler hoists the products, constant
+         * in the loop, and the chain becomes adds */
+#define QDOT(a) a = (vf)((vi)a + madd16(qe, xe) + madd16(qo, xo)); PIN_VEC(qe); PIN_VEC(qo); \
+    PIN_VEC(xe); PIN_VEC(xo)
+#endif
 #define CHAINS(OP) \
     for (int64_t it = 0; it < n; it++) { \
         OP(a0); OP(a1); OP(a2); OP(a3); OP(a4); OP(a5); \
@@ -1186,12 +1205,16 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
         vf a8 = (vf){0} + 8.f, a9 = (vf){0} + 9.f, a10 = (vf){0} + 10.f, a11 = (vf){0} + 11.f;
         if (kind == MOE_PROBE_BF16_DOT) {
             CHAINS(DOT)
+        } else if (kind == MOE_PROBE_I8_DOT) {
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = (vf){0};
+            CHAINS(QDOT)
         } else {
             CHAINS(FMA)
         }
 #undef CHAINS
 #undef FMA
 #undef DOT
+#undef QDOT
         vf s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) + ((a8 + a9) + (a10 + a11));
         for (int i = 0; i < VW; i++) total += s[i];
     }
@@ -1203,5 +1226,5 @@ static int64_t probe_flops_impl(int kind) {
 #if defined(MOE_AMX)
     if (kind == MOE_PROBE_BF16_DOT) return AMX_PROBE_FLOPS;
 #endif
-    return (int64_t)12 * VW * (kind == MOE_PROBE_BF16_DOT ? 4 : 2);
+    return (int64_t)12 * VW * (kind == MOE_PROBE_I8_DOT ? 8 : kind == MOE_PROBE_BF16_DOT ? 4 : 2);
 }

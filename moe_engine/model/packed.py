@@ -460,10 +460,12 @@ def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
                    isa: Optional[str] = None, kind: str = "fma") -> float:
     """Achieved FLOP/s of a register-blocked loop on `threads` threads (the compute roof): fp32
     FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, tdpbf16ps
-    on AMX tiles on the amx build, vdpbf16ps on avx512bf16, two FMAs a pair elsewhere)."""
+    on AMX tiles on the amx build, vdpbf16ps on avx512bf16, two FMAs a pair elsewhere), or int8
+    quad dot products ("int8_dot": int8q weights' roof, vpdpbusd on avx512bf16 and amx,
+    vpmaddwd elsewhere; each of the four multiply-adds a lane counted as two operations)."""
     import time
     _require_kernels()
-    kinds = {"fma": _ext.PROBE_FMA, "bf16_dot": _ext.PROBE_BF16_DOT}
+    kinds = {"fma": _ext.PROBE_FMA, "bf16_dot": _ext.PROBE_BF16_DOT, "int8_dot": _ext.PROBE_I8_DOT}
     if kind not in kinds:
         raise ValueError(f"unknown probe {kind!r}; choose one of {sorted(kinds)}")
     probe = kinds[kind]

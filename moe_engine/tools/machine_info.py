@@ -73,7 +73,8 @@ def read_bandwidth_gbps(threads: int, mib: int = 1024, repeats: int = 5) -> floa
 
 def fma_peak_gflops(threads: int, seconds: float = 0.5, kind: str = "fma") -> float:
     """The compute roof: a register-blocked loop in the packed kernels' chosen ISA of fp32 FMAs,
-    or of bf16 pair dot products (kind "bf16_dot": the roof of bf16p weights)."""
+    of bf16 pair dot products (kind "bf16_dot": the roof of bf16p weights) or of int8 quad dot
+    products (kind "int8_dot": the roof of int8q weights)."""
     from moe_engine.model import packed
 
     return packed.fma_peak_flops(seconds, threads, kind=kind) / 1e9
