@@ -73,9 +73,13 @@ class MatmulPrecision(str, Enum):
     """How the packed CPU kernels multiply, in torch.set_float32_matmul_precision's words.
     highest: fp32 activations against the weights widened to fp32 in registers (transformers'
     fp32 logits within 1e-4, its greedy tokens). medium: activations rounded to bf16 before each
-    GEMM, against weights held in bf16 (an fp32 checkpoint's rounded; fp16 and quantized
+    GEMM, against weights held in bf16 (an fp32 checkpoint's rounded; fp16, int4 and MXFP4
     storage unchanged), so a CPU with AVX512-BF16 does two multiply-adds per lane and
     instruction (~2x the GEMMs); other CPUs compute the same products in fp32 FMAs, no faster.
+    int8 experts (expert_dtype=int8) under medium take int8 activations instead (each row
+    quantized to int8 with its own scale, the products summed exactly in int32), so a CPU with
+    AVX512-VNNI does four multiply-adds per lane and instruction (2-3.5x int8's expert GEMMs
+    at highest); elsewhere the same integer sums run no faster.
     high: bf16 weights held as bf16x3, whose GEMMs split each fp32 activation into three bf16s
     summing to it exactly, so every product is exact and the sums are fp32's (within 1e-6 of
     fp64, as highest) where the CPU has AMX tiles, which do the 3x work 1.4-3x faster than

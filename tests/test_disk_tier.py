@@ -325,14 +325,15 @@ def test_a_one_slot_ring_and_per_micro_batch_grouping_give_identical_tokens(mixt
     assert _tokens(mixtral_dir, grouped) == reference
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4", "bf16p", "bf16x3"])
+@pytest.mark.parametrize("storage", ["int8", "int4", "bf16p", "bf16x3", "int8q"])
 def test_quantized_experts_page_from_disk_like_resident_ones(mixtral_dir, storage, monkeypatch):
     # bf16p: medium matmul precision's bf16 pairs (int32 words), bf16x3: high's (uint32 words,
-    # from a bf16 model; held where the CPU has AMX tiles, which the engine is told it has)
-    # page as any other storage
+    # from a bf16 model; held where the CPU has AMX tiles, which the engine is told it has),
+    # int8q: medium's int8 quads (int8 experts, [P, k/4, 128] bytes) page as any other storage
     monkeypatch.setattr("moe_engine.engine.llm_engine.bf16_tiles", lambda: True)
     knobs = ({"matmul_precision": "medium"} if storage == "bf16p"
              else {"matmul_precision": "high"} if storage == "bf16x3"
+             else {"matmul_precision": "medium", "expert_dtype": "int8"} if storage == "int8q"
              else {"expert_dtype": storage})
     dtype = "bfloat16" if storage == "bf16x3" else "float32"
     resident = _tokens(mixtral_dir, replace(CONFIG, **knobs), dtype)

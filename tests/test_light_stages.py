@@ -211,7 +211,9 @@ def test_policy_sizes_the_experts_the_engine_will_hold():
     assert held([medium], None) == "bf16p"
     assert held_expert_storage(compose([medium]).engine, None, "float32") == "bf16p"
     assert held_expert_storage(compose([medium]).engine, None, "float16") is None
-    assert held([medium, "engine.expert_dtype=int8"], None) == "int8"
+    # and int8 experts as int8 quads (int8 activations); int4 stays
+    assert held([medium, "engine.expert_dtype=int8"], None) == "int8q"
+    assert held([medium, "engine.expert_dtype=int4"], None) == "int4"
     assert held([medium], "mxfp4") == "mxfp4"
     # high holds bf16 experts as bf16x3 where the kernels have AMX tiles, and is highest
     # elsewhere; fp32 ones are not bf16s and keep highest's path

@@ -154,6 +154,31 @@ def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtr
     assert (medium[0] - highest[0]).abs().max().item() < 0.03 * highest[0].abs().max().item()
 
 
+def test_medium_on_int8_experts_takes_int8_activations(tiny_mixtral_dir):
+    """int8 experts under medium hold int8 quads (int8q): activation rows quantized to int8,
+    integer sums (vpdpbusd on AVX512-VNNI); the dense weights bf16 pairs as for any bf16
+    model. The logits stay near int8's at highest, and a row's are bitwise the same alone and
+    in batches (a row's scale is its own)."""
+    def run(precision):
+        engine = LLMEngine(tiny_mixtral_dir, EngineConfig(
+            threads=2, kv_cache_gb=0.05, num_micro_batches=3, expert_dtype=ExpertDType.int8,
+            matmul_precision=precision), dtype="bfloat16")
+        return engine, _logits_of(engine, _requests([0, 3]), "0")
+
+    _, highest = run("highest")
+    engine, medium = run("medium")
+    assert "experts int8q" in engine.gemm_path
+    assert engine.spec.expert_storage == "int8q"  # the model prices the int8q kernel
+    layer = next(layer for layer in engine.runner.weights.layers if layer.experts)
+    assert layer.experts[0].w13.dtype == torch.int8 and layer.experts[0].w13.shape[-1] == 128
+    assert not torch.equal(medium, highest)
+    # first step: int8 activations (per-row scales) and bf16 ones in the dense part leave the
+    # logits within a few % of their range on random weights; a wrong layout or scale would
+    # be off by their size
+    assert (medium[0] - highest[0]).abs().max().item() < 0.05 * highest[0].abs().max().item()
+    _assert_batch_invariant(engine, new_tokens=4)
+
+
 @pytest.mark.parametrize("precision", ["medium", "high"])
 def test_bf16_term_precisions_rows_are_bitwise_identical_alone_and_in_batches(tiny_mixtral_dir,
                                                                               precision,

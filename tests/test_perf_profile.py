@@ -261,7 +261,8 @@ def _run_profiler_cli(cli: list[str], out) -> None:
     assert main([*cli[:at + 1], str(out), *cli[at + 2:], "--fast"]) == 0
 
 
-@pytest.mark.parametrize("experts, weights", [("int8", None), ("bf16p", "bf16p")])
+@pytest.mark.parametrize("experts, weights", [("int8", None), ("bf16p", "bf16p"),
+                                              ("int8q", "bf16p")])
 def test_ensure_with_the_held_storage_covers_what_the_policy_asks(tiny, tiny_profile, tmp_path,
                                                                   monkeypatch, experts, weights):
     """The policy stage sizes what the engine will hold (int8 experts; under medium, bf16p

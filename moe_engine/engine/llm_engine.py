@@ -85,7 +85,8 @@ class LLMEngine:
                 (self.spec.expert_storage or storage) if experts is ExpertDType.auto
                 else experts.value, precision, tiles)
             self.weight_storage = precision_storage(storage, precision, tiles)
-            held = {self.weight_storage, self.expert_storage} & set(packed.PAIR_STORAGES)
+            held = ({self.weight_storage, self.expert_storage}
+                    & {*packed.PAIR_STORAGES, packed.QUAD_STORAGE})
             if precision == "high" and not tiles and storage == "bf16":
                 log.info("engine.matmul_precision=high runs as highest here: no AMX tiles (or "
                          "MOE_BATCH_ISA=%s), where bf16x3's three products a weight would be "
@@ -93,12 +94,17 @@ class LLMEngine:
                          os.environ.get("MOE_BATCH_ISA", "unset"))
             elif precision != "highest" and not held:
                 log.warning("engine.matmul_precision=%s changes nothing here: weights %s, "
-                            "experts %s (medium applies to bf16 and fp32 weights, high to bf16)",
+                            "experts %s (medium applies to bf16 and fp32 weights and int8 "
+                            "experts, high to bf16)",
                             precision, self.weight_storage, self.expert_storage)
             elif packed.PAIR_STORAGE in held and packed.ISA not in packed.NATIVE_BF16_ISAS:
                 log.warning("engine.matmul_precision=medium on the %s kernel build, which has "
                             "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
                             "results, no faster than highest)", packed.ISA)
+            elif packed.QUAD_STORAGE in held and packed.ISA not in packed.NATIVE_INT8_DOT_ISAS:
+                log.warning("engine.matmul_precision=medium on int8 experts on the %s kernel "
+                            "build, which has no vpdpbusd (AVX512-VNNI): the int8 products run "
+                            "as vpmaddwd (the same results, no faster than highest)", packed.ISA)
             elif packed.BF16X3_STORAGE in held and packed.ISA not in packed.TILE_ISAS:
                 log.warning("engine.matmul_precision=high: the CPU has AMX tiles but the %s "
                             "kernel build runs (built without them, or the OS refused the "

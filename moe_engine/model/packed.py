@@ -29,7 +29,7 @@ import torch
 from moe_engine.cpu_features import TILE_ISA
 from moe_engine.model import mxfp4
 from moe_engine.model.kernel_import import import_kernel
-from moe_engine.model.spec import BF16X3_STORAGE, PAIR_STORAGE
+from moe_engine.model.spec import BF16X3_STORAGE, PAIR_STORAGE, QUAD_STORAGE
 from moe_engine.model.weights import ExpertWeights, LayerWeights, MlaWeights, ModelWeights
 
 # None when not built: the engine keeps torch's GEMMs
@@ -53,7 +53,6 @@ PAIR_STORAGES = (PAIR_STORAGE, BF16X3_STORAGE)
 # quantize each activation row to int8 (engine.matmul_precision=medium on int8 experts):
 # AVX512-VNNI's vpdpbusd does four multiply-adds a lane into exact int32 sums; other CPUs
 # compute the same sums with vpmaddwd (same bits, no faster than int8's FMAs)
-QUAD_STORAGE = "int8q"
 QUAD_BYTES = 4 * NR  # bytes of a quad-row: 32 columns x 4 inputs
 # ISA builds with vpdpbusd (elsewhere int8q is emulated: no faster)
 NATIVE_INT8_DOT_ISAS = ("avx512bf16", "amx")

@@ -35,8 +35,12 @@ PAIR_STORAGE = "bf16p"
 # sum to it exactly, so the products add up to fp32 results (AMX tiles at 3x bf16p's work);
 # a kernel path of its own for the performance model
 BF16X3_STORAGE = "bf16x3"
+# int8q: int8 experts (engine.expert_dtype=int8) under engine.matmul_precision=medium, with k in
+# quads, whose GEMMs quantize each activation row to int8 (AVX512-VNNI's vpdpbusd); another
+# kernel path at int8's 8 bits a weight
+QUAD_STORAGE = "int8q"
 EXPERT_STORAGE_BITS = {"mxfp4": 4 + 8 / 32, "int4": 4 + 32 / 32, "int8": 8.0, PAIR_STORAGE: 16.0,
-                       BF16X3_STORAGE: 16.0}
+                       BF16X3_STORAGE: 16.0, QUAD_STORAGE: 8.0}
 # The profiler's name for routed experts held in the model dtype, not in the checkpoint's own
 # storage (an MXFP4 checkpoint's experts, widened for torch's GEMMs): ModelSpec storage None
 MODEL_DTYPE_STORAGE = "dtype"
@@ -50,14 +54,17 @@ FLOAT_STORAGE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def precision_storage(storage: str, precision: str, tiles: bool) -> str:
     """The packed storage of weights otherwise held in `storage` under engine.matmul_precision:
-    medium holds bf16 and fp32 weights as bf16 pairs (bf16 activations); high holds bf16
+    medium holds bf16 and fp32 weights as bf16 pairs (bf16 activations) and int8 experts as
+    int8 quads (int8 activations, quantized per row); high holds bf16
     weights as bf16x3 (three bf16 activation terms) where the kernels run bf16 pairs on AMX
     tiles (`tiles`, cpu_features.bf16_tiles), and is highest elsewhere, as torch's "high" takes
     the faster algorithm only where there is one (emulated, bf16x3 is 0.2-0.3x fp32 FMAs; fp32
-    weights are not bf16s, so they keep highest's path too); fp16 and quantized storage, and
+    weights are not bf16s, so they keep highest's path too); fp16, int4 and MXFP4 storage, and
     everything under highest, stay as they are."""
     if precision == "medium" and storage in ("bf16", "fp32"):
         return PAIR_STORAGE
+    if precision == "medium" and storage == "int8":
+        return QUAD_STORAGE
     if precision == "high" and storage == "bf16" and tiles:
         return BF16X3_STORAGE
     return storage

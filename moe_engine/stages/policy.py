@@ -73,12 +73,14 @@ def held_expert_storage(engine, checkpoint_storage: Optional[str],
     the model dtype), as LLMEngine decides it: a quantized engine.expert_dtype; with auto, the
     checkpoint's own (MXFP4) on the packed CPU kernels, widened on torch's GEMMs (engine.gemm=
     torch, a device backend); a float expert_dtype widens; and on the packed kernels under
-    engine.matmul_precision=medium, bf16 or fp32 experts become bf16 pairs (bf16p), under
+    engine.matmul_precision=medium, bf16 or fp32 experts become bf16 pairs (bf16p) and int8
+    ones int8 quads (int8q), under
     high bf16 experts become bf16x3 where the kernels have AMX tiles (`tiles`; None: this
     machine's, cpu_features.bf16_tiles)."""
     choice = engine.expert_dtype
     if choice.quantized:
-        return choice.value
+        return (precision_storage(choice.value, engine.matmul_precision.value, False)
+                if _packed_path(engine) else choice.value)
     if choice is ExpertDType.auto and _packed_path(engine) and checkpoint_storage is not None:
         return checkpoint_storage
     if _packed_path(engine):
