@@ -8,7 +8,9 @@ values, a power-of-two scale per 32 inputs: GPT-OSS's released format), everythi
 identical (dense weights bf16, fp32 activations and KV); and "medium" (engine.matmul_precision=
 medium: every GEMM's activations rounded to bf16, weights as bf16 pairs, experts bf16) and
 "high" (bf16x3: every GEMM's activations as three bf16 terms summing to them exactly; expected
-to differ from the reference by fp32 rounding only). Reported
+to differ from the reference by fp32 rounding only), and "int8q" (int8 experts under medium:
+the experts' activation rows quantized to int8, integer sums on AVX512-VNNI; the dense
+GEMMs as medium's bf16 pairs). Reported
 per variant:
   max_abs     the largest |logit difference| over all prompts and the vocabulary
   kl          mean KL(softmax(bf16) || softmax(quantized)) over prompts, in nats
@@ -20,10 +22,12 @@ Random Gaussian weights are the worst case for quantization: trained checkpoints
 logit margins, so more of their greedy choices survive the same weight error.
 
   .venv/bin/python bench/quantized_experts.py            # ~5 minutes on 2 cores
+  .venv/bin/python bench/quantized_experts.py --variants int8,int8q
 
 The last line printed is:
   RESULT int8_top1=<x> int8_kl=<y> int4_top1=<z> int4_kl=<w> mxfp4_top1=<u> mxfp4_kl=<v>
-         medium_top1=<a> medium_kl=<b> high_top1=<c> high_kl=<d>
+         medium_top1=<a> medium_kl=<b> high_top1=<c> high_kl=<d> int8q_top1=<e> int8q_kl=<f>
+(the variants run, in this order)
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from moe_engine.tools import machine_info  # noqa: E402
 # variant -> (engine.expert_dtype, engine.matmul_precision)
 VARIANTS = {"int8": ("int8", "highest"), "int4": ("int4", "highest"),
             "mxfp4": ("mxfp4", "highest"), "medium": ("bf16", "medium"),
-            "high": ("bf16", "high")}
+            "high": ("bf16", "high"), "int8q": ("int8", "medium")}
 
 
 def corpus_requests(n: int, new_tokens: int) -> list[Request]:
@@ -100,7 +104,13 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated, of " + ", ".join(VARIANTS))
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     torch.set_num_threads(args.threads)
     print(machine_info.header(args.threads), flush=True)
     model_dir = bench_checkpoint(args.model_dir)
@@ -108,7 +118,8 @@ def main() -> None:
     ref_logits, ref_tokens, path = run(model_dir, "bf16", requests, args.threads)
     print(f"reference: {path}; {len(requests)} prompts, {args.new_tokens} new tokens", flush=True)
     results = {}
-    for dtype, (expert_dtype, precision) in VARIANTS.items():
+    for dtype in variants:
+        expert_dtype, precision = VARIANTS[dtype]
         logits, tokens, path = run(model_dir, expert_dtype, requests, args.threads, precision)
         results[dtype] = compare((ref_logits, ref_tokens), (logits, tokens))
         r = results[dtype]
@@ -116,7 +127,7 @@ def main() -> None:
               f"top-1 agreement {r['top1']:.3f}, greedy sequence agreement {r['seq_agree']:.3f} "
               f"({path})", flush=True)
     print("RESULT " + " ".join(f"{d}_top1={results[d]['top1']:.3f} {d}_kl={results[d]['kl']:.2e}"
-                               for d in VARIANTS))
+                               for d in variants))
 
 
 if __name__ == "__main__":
