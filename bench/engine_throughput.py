@@ -17,6 +17,11 @@ packed kernels; torch's bf16 GEMM is ~8x slower than fp32 on CPUs without native
 --matmul-precision takes a list: each runs every N, side by side; the roofline of medium (bf16
 activations on bf16 pairs) uses the bf16 dot-product peak measured in the same run, and the
 RESULT line, from the first precision, adds vs_<second>=<new tok/s ratio at the largest N>.
+With --expert-dtype int8, medium holds the experts as int8q (int8 activations): their FLOPs
+are set against the int8 dot-product peak (vpdpbusd), the rest against the bf16 one.
+
+  .venv/bin/python bench/engine_throughput.py --batches 128 --no-baseline --expert-dtype int8 \
+      --matmul-precision medium,highest
 
 The last line printed is:
   RESULT new_tok_s=<x> decode_tok_s=<y> prefill_tok_s=<z> roofline_fraction=<f> vs_baseline=<r>
@@ -113,13 +118,18 @@ def main() -> None:
     model_dir = bench_checkpoint(args.model_dir)
     precisions = args.matmul_precision.split(",")
 
+    int8q = args.expert_dtype == "int8" and "medium" in precisions
+
     def roofs() -> tuple[float, dict[str, float]]:
-        """(read GB/s, compute roof in GFLOP/s per precision), measured now."""
+        """(read GB/s, compute roof in GFLOP/s per precision, and "int8q" for int8 experts
+        under medium, whose int8 dot products have a roof of their own), measured now."""
         peaks = {"highest": machine_info.fma_peak_gflops(args.threads)}
         if {"medium", "high"} & set(precisions):
             dot = machine_info.fma_peak_gflops(args.threads, kind="bf16_dot")
             # high does three bf16 products (one per activation term) for each fp32 one
             peaks.update(medium=dot, high=dot / 3)
+        if int8q:
+            peaks["int8q"] = machine_info.fma_peak_gflops(args.threads, kind="int8_dot")
         return machine_info.read_bandwidth_gbps(args.threads), peaks
 
     # The roofs are measured again after every run and each run is set against the mean of the
@@ -130,6 +140,7 @@ def main() -> None:
     print(f"# roofs: read {bw:.1f} GB/s, FMA peak {peaks['highest']:.0f} GFLOP/s (fp32)"
           + (f", bf16 dot-product peak {peaks['medium']:.0f} (medium; high's a third of it)"
              if "medium" in peaks else "")
+          + (f", int8 dot-product peak {peaks['int8q']:.0f} (int8q experts)" if int8q else "")
           + f"; {args.prompt_len}-token random prompts, {args.new_tokens} new tokens, EOS ignored",
           flush=True)
     rows, last_of = [], {}
@@ -139,10 +150,13 @@ def main() -> None:
             bw_after, peaks_after = roofs()
             r["roofs"] = {"read_gbps": [round(bw, 1), round(bw_after, 1)],
                           "peak_gflops": [round(peaks[precision]), round(peaks_after[precision])]}
+            quads = r["spec"].expert_storage == "int8q"
             bound = roofline_seconds(r["spec"], r["weights_bytes"], [args.prompt_len] * n,
                                      args.new_tokens, n, (bw + bw_after) / 2,
                                      (peaks[precision] + peaks_after[precision]) / 2,
-                                     kv_elem=r["kv_elem"])
+                                     kv_elem=r["kv_elem"],
+                                     expert_gflops=((peaks["int8q"] + peaks_after["int8q"]) / 2
+                                                    if quads else None))
             bw, peaks = bw_after, peaks_after
             r["roofline_tok_s"] = n * args.new_tokens / bound["total_s"]
             r["roofline_fraction"] = r["new_tok_s"] / r["roofline_tok_s"]

@@ -65,19 +65,24 @@ def measure_gemm_gflops(threads: int, n: int = 2048, reps: int = 5) -> float:
 
 
 def roofline_seconds(spec, weights_bytes: int, prompt_lens: list[int], new_tokens: int,
-                     batch: int, bw_gbps: float, gflops: float, kv_elem: int) -> dict:
+                     batch: int, bw_gbps: float, gflops: float, kv_elem: int,
+                     expert_gflops: float | None = None) -> dict:
     """Lower bound on the workload's time on this machine.
 
     Prefill is compute-bound: FLOPs of all prompt tokens through the active parameters. Each
     decode step of `batch` sequences costs max(bytes / bandwidth, FLOPs / GEMM rate) where bytes
-    are all weights (every expert is hit at these batch sizes) plus the KV cache read.
+    are all weights (every expert is hit at these batch sizes) plus the KV cache read. The
+    routed experts' FLOPs run at `expert_gflops` when their kernel has a roof of its own
+    (int8q's int8 dot products), at `gflops` otherwise.
     """
     h, hi, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
     attn_params = h * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h
-    active = layers * (attn_params + spec.top_k * 3 * h * hi + spec.num_experts * h)
+    experts = layers * spec.top_k * 3 * h * hi
+    dense = layers * (attn_params + spec.num_experts * h)
     head = spec.vocab_size * h
-    prefill_flops = sum(2 * n * active + 2 * head for n in prompt_lens)
-    t_prefill = prefill_flops / (gflops * 1e9)
+    rate, expert_rate = gflops * 1e9, (expert_gflops or gflops) * 1e9
+    t_prefill = sum((2 * n * dense + 2 * head) / rate + 2 * n * experts / expert_rate
+                    for n in prompt_lens)
     t_decode = 0.0
     n_seqs = len(prompt_lens)
     avg_prompt = sum(prompt_lens) / n_seqs
@@ -87,9 +92,10 @@ def roofline_seconds(spec, weights_bytes: int, prompt_lens: list[int], new_token
         while remaining > 0:
             b = min(batch, remaining)
             ctx = avg_prompt + step
-            flops = b * (2 * (active + head) + 4 * ctx * spec.num_heads * spec.head_dim * layers)
+            flops = b * (2 * (dense + head) + 4 * ctx * spec.num_heads * spec.head_dim * layers)
             nbytes = weights_bytes + b * ctx * kv_per_token
-            t_decode += max(nbytes / (bw_gbps * 1e9), flops / (gflops * 1e9))
+            t_decode += max(nbytes / (bw_gbps * 1e9),
+                            flops / rate + b * 2 * experts / expert_rate)
             remaining -= b
     return {"prefill_s": t_prefill, "decode_s": t_decode, "total_s": t_prefill + t_decode}
 
