@@ -86,33 +86,86 @@ static inline int64_t act_words(int dt, int64_t k0) {
 #define ACT_Q8 4
 static inline int act_form(int dt) { return dt == MOE_W_I8Q ? ACT_Q8 : moe_pair_terms(dt); }
 
+/* VW int32 lanes holding 0..255 as VW bytes, in lane order, at p. */
+static inline void store_bytes(void *p, vi q) {
+#if VW == 16 && defined(__AVX512F__)
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8((__m512i)q));
+#elif VW == 8 && defined(__AVX2__)
+    /* per 128-bit half: q0..3 (q4..7) as u16, then as bytes; words 0 and 4 hold them */
+    const __m256i w = _mm256_packus_epi32((__m256i)q, (__m256i)q);
+    const __m256i b = _mm256_packus_epi16(w, w);
+    const __m256i both = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64((__m128i *)p, _mm256_castsi256_si128(both));
+#else
+    uint8_t t[VW];
+    for (int i = 0; i < VW; i++) t[i] = (uint8_t)q[i];
+    memcpy(p, t, sizeof t);
+#endif
+}
+
 /* i8q: a row of k fp32 activations at src as ceil(k/4) words of unsigned bytes q + 128 at dst
  * (q = rint(x * 127 / max|x|) in [-127, 127], a last quad padded with q = 0) and the row's
  * scale max|x| / 127 in word ld - 1 of dst. A row of zeros has scale 0; a row with an inf or a
- * NaN gets a NaN scale, so its outputs are NaN as an fp32 GEMM's would be. Scalar code,
- * multiplies and rounding only, so every build quantizes to the same bytes. dst may be src:
- * word j is written after floats 4j..4j+3 were read, and the scale after the last quad
- * ((k + 3) / 4 <= ld - 1). */
+ * NaN gets a NaN scale, so its outputs are NaN as an fp32 GEMM's would be. Every build
+ * quantizes to the same bytes: the max is exact, and each value is one fp32 multiply (never
+ * fused with the rounding's add: the product is pinned in a register first) rounded to
+ * nearest even, by adding and subtracting 1.5 * 2^23 in vectors, rintf in the tail. dst may be
+ * src: a vector's bytes go to words [i/4, (i+VW)/4), whose floats that vector or an earlier
+ * one read, and the scale goes after the last quad ((k + 3) / 4 <= ld - 1). */
 static inline void q8_row(const float *src, int64_t k, void *dst, int64_t ld) {
     float amax = 0.0f;
     int finite = 1;
-    for (int64_t i = 0; i < k; i++) {
+    int64_t i = 0;
+    {
+        vf m = {0};
+        vi bad = {0};
+        for (; i + VW <= k; i += VW) {
+            const vf a = (vf)((vi)ldf(src + i) & 0x7fffffff);
+            bad |= ~(vi)(a <= FLT_MAX); /* inf and NaN */
+            m = (vf)(((vi)(a > m) & (vi)a) | (~(vi)(a > m) & (vi)m));
+        }
+        for (int l = 0; l < VW; l++) {
+            finite &= bad[l] == 0;
+            amax = m[l] > amax ? m[l] : amax;
+        }
+    }
+    for (; i < k; i++) {
         const float a = fabsf(src[i]);
-        finite &= a <= FLT_MAX; /* false for inf and NaN */
+        finite &= a <= FLT_MAX;
         amax = a > amax ? a : amax;
     }
-    const float scale = finite ? amax / 127.0f : NAN;
-    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
     char *out = (char *)dst;
-    for (int64_t j = 0; 4 * j < k; j++) {
+    if (!finite) { /* q = 0 throughout: the NaN scale alone decides the outputs */
+        memset(out, 128, (size_t)(4 * ((k + 3) / 4)));
+        const float nan = NAN;
+        memcpy(out + 4 * (ld - 1), &nan, sizeof nan);
+        return;
+    }
+    const float scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    i = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    {
+        const vf vinv = bcast(inv), top = bcast(127.0f), magic = bcast(12582912.0f);
+        for (; i + VW <= k; i += VW) {
+            vf v = ldf(src + i) * vinv;
+            __asm__("" : "+v"(v)); /* rounded here, as the scalar rintf(x * inv) */
+            v = (v + magic) - magic;
+            v = (vf)(((vi)(v > top) & (vi)top) | (~(vi)(v > top) & (vi)v));
+            v = (vf)(((vi)(v < -top) & (vi)(-top)) | (~(vi)(v < -top) & (vi)v));
+            store_bytes(out + i, __builtin_convertvector(v, vi) + 128);
+        }
+    }
+#endif
+    for (int64_t j = i / 4; 4 * j < k; j++) { /* i is a multiple of 4 */
         uint32_t word = 0;
-        for (int i = 0; i < 4; i++) {
+        for (int b = 0; b < 4; b++) {
             int q = 0;
-            if (4 * j + i < k) {
-                const float r = rintf(src[4 * j + i] * inv);
+            if (4 * j + b < k) {
+                const float r = rintf(src[4 * j + b] * inv);
                 q = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
             }
-            word |= (uint32_t)(q + 128) << (8 * i);
+            word |= (uint32_t)(q + 128) << (8 * b);
         }
         memcpy(out + 4 * j, &word, sizeof word);
     }

@@ -482,3 +482,18 @@ def test_int8q_experts_beside_other_storage_are_refused():
     with pytest.raises(ValueError, match="mix bf16p, bf16x3 or i8q"):
         packed.packed_moe_ffn([quads[0], rows[1]], torch.randn(2, 32), torch.ones(2, 1),
                               torch.tensor([[0], [1]]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8q_activations_round_ties_to_even_in_vectors_and_tail(isa):
+    """With max|x| = 127 a value quantizes to itself rounded: ties (k + 0.5) go to the even
+    code, in the vectorized part of a row and in its scalar tail alike (37 inputs: two 16-lane
+    vectors, or four of 8, then 5 in the tail), as torch.round does; through weights that pick
+    one input at a time the output is the code times the scales."""
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    x = torch.zeros(1, 37)
+    x[0, 0] = 127.0
+    x[0, 1:9], x[0, 29:37] = ties, ties
+    w = torch.eye(37)
+    y = packed.packed_linear(x, packed.pack_linear(w, "int8q"), isa=isa)
+    assert torch.equal(y, torch.round(x))
