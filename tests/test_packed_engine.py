@@ -134,15 +134,22 @@ def test_quantized_experts_generate_close_to_bf16(expert_dtype, tiny_mixtral_dir
     assert (quant[0] - base[0]).abs().max().item() < bound * base[0].abs().max().item()
 
 
-def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtral_dir):
+def _medium_and_highest(model_dir, **knobs):
+    """The engine under medium, its logits of request "0" (beside request 3) and the same
+    logits under highest, both with `knobs`."""
     def run(precision):
-        engine = LLMEngine(tiny_mixtral_dir, EngineConfig(threads=2, kv_cache_gb=0.02,
-                                                          matmul_precision=precision),
+        engine = LLMEngine(model_dir, EngineConfig(threads=2, kv_cache_gb=0.05,
+                                                   matmul_precision=precision, **knobs),
                            dtype="bfloat16")
         return engine, _logits_of(engine, _requests([0, 3]), "0")
 
     _, highest = run("highest")
     engine, medium = run("medium")
+    return engine, medium, highest
+
+
+def test_medium_precision_holds_bf16_pairs_and_stays_close_to_highest(tiny_mixtral_dir):
+    engine, medium, highest = _medium_and_highest(tiny_mixtral_dir)
     assert "weights bf16p, experts bf16p" in engine.gemm_path
     assert engine.spec.expert_storage == "bf16p"  # the model prices the bf16p kernel
     layer = next(layer for layer in engine.runner.weights.layers if layer.experts)
@@ -159,14 +166,8 @@ def test_medium_on_int8_experts_takes_int8_activations(tiny_mixtral_dir):
     integer sums (vpdpbusd on AVX512-VNNI); the dense weights bf16 pairs as for any bf16
     model. The logits stay near int8's at highest, and a row's are bitwise the same alone and
     in batches (a row's scale is its own)."""
-    def run(precision):
-        engine = LLMEngine(tiny_mixtral_dir, EngineConfig(
-            threads=2, kv_cache_gb=0.05, num_micro_batches=3, expert_dtype=ExpertDType.int8,
-            matmul_precision=precision), dtype="bfloat16")
-        return engine, _logits_of(engine, _requests([0, 3]), "0")
-
-    _, highest = run("highest")
-    engine, medium = run("medium")
+    engine, medium, highest = _medium_and_highest(tiny_mixtral_dir, num_micro_batches=3,
+                                                  expert_dtype=ExpertDType.int8)
     assert "experts int8q" in engine.gemm_path
     assert engine.spec.expert_storage == "int8q"  # the model prices the int8q kernel
     layer = next(layer for layer in engine.runner.weights.layers if layer.experts)
