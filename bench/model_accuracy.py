@@ -55,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmul-precision", default="highest", choices=("highest", "high", "medium"),
                     help="engine.matmul_precision: the model is profiled and priced in the "
                          "storage the engine then holds its weights in, as the policy stage does")
+    ap.add_argument("--expert-dtype", default="auto",
+                    choices=("auto", "bf16", "fp16", "fp32", "int8", "int4", "mxfp4"),
+                    help="engine.expert_dtype (int8 under medium: int8q experts), held and "
+                         "priced alike")
     args = ap.parse_args(argv)
 
     from moe_engine.tools.checkpoints import PRESETS, ensure_builtin
-    from moe_engine.config import EngineConfig, MatmulPrecision
+    from moe_engine.config import EngineConfig, ExpertDType, MatmulPrecision
     from moe_engine.stages.policy import held_expert_storage, held_weight_storage
     from moe_engine.engine.llm_engine import LLMEngine
     from moe_engine.perf import ModelSpec, apply_policy, choose_policy, workload_spec_from_lengths
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_builtin(args.model, args.resources)
     model = ModelSpec.from_hf_config(model_dir, name=args.model)
     base_cfg = EngineConfig(threads=args.threads,
-                            matmul_precision=MatmulPrecision(args.matmul_precision))
+                            matmul_precision=MatmulPrecision(args.matmul_precision),
+                            expert_dtype=ExpertDType(args.expert_dtype))
     model = (model.with_expert_storage(held_expert_storage(base_cfg, model.expert_storage,
                                                            model.torch_dtype))
              .with_weight_storage(held_weight_storage(base_cfg, model.torch_dtype)))
