@@ -37,11 +37,13 @@
  *       c of quad-row j holding W[32p + c, 4j + i]. scale is [P*32] fp32 column scales, then
  *       [P*32] int32 column corrections 128 * sum_k W[c, k] (in packed column order). The
  *       GEMM quantizes each activation row to int8, symmetric (s = max|x| / 127, q =
- *       rint(x * 127 / max|x|)), offset to unsigned bytes q + 128, so that one AVX512-VNNI
+ *       rint(x * (127 / max|x|))), offset to unsigned bytes q + 128, so that one AVX512-VNNI
  *       vpdpbusd does four multiply-adds a lane into int32; other builds compute the same
- *       integer sums exactly (vpmaddwd, or plain multiplies), so every ISA gives the same bits.
+ *       integer sums exactly (vpmaddwd, or plain multiplies).
  *       An output is (float)(sum - correction) * s_row * scale_col (+ bias): the integer sum
- *       is exact in any order, so a row's result depends on nothing but the row.
+ *       is exact in any order, so a row's result depends on nothing but the row, and the
+ *       sums are the same on every build (what follows them, a SwiGLU's exp, is the same on
+ *       the FMA builds).
  * Every ISA computes each output as one fp32 FMA chain over k in increasing order, so a row's
  * result does not depend on the other rows of the call (batch invariance) nor on the ISA when
  * the ISA has FMA (bf16p: the FMA builds agree with each other; vdpbf16ps differs by its own
@@ -134,8 +136,9 @@ typedef struct {
     /* y[t, :n] = act(x[t, :k] @ W^T (+ bias)) for t < T; x row stride ldx, y row stride ldy;
      * act is MOE_ACT_*, applied per element in scalar code (torch's vectorized sigmoid rounds
      * differently in a vector's tail, so a row's result would depend on its position).
-     * Returns 0, or -2 when its scratch (the bf16 pairs of x for bf16p weights, the bias
-     * padded to whole panels) could not be allocated. */
+     * Returns 0, -2 when its scratch (the bf16 pairs of x for bf16p weights, the bias
+     * padded to whole panels) could not be allocated, or -4 for i8q weights of more than
+     * MOE_I8Q_MAX_K inputs. */
     int (*linear)(const float *x, int64_t ldx, int64_t T, const moe_packed *w, const float *bias,
                    int act, float *y, int64_t ldy, int nthreads);
     /* Routed SwiGLU experts over T tokens with top_k choices each: out[t] = sum over s < top_k
@@ -144,7 +147,7 @@ typedef struct {
      * the expert is absent (its rows must not occur). work and iwork are scratch of
      * moe_ffn_work_floats and moe_ffn_iwork_ints. Returns 0, -1 for an index naming an absent or
      * out-of-range expert, -2 when out of memory, -3 when the present experts mix bf16p with
-     * other storage. */
+     * other storage, -4 for i8q weights of more than MOE_I8Q_MAX_K inputs. */
     int (*moe_ffn)(const float *x, int64_t T, int64_t H, const int64_t *idx, const float *weight,
                     int top_k, const moe_expert *experts, int num_experts, const moe_glu *glu,
                     float *out, float *work, int32_t *iwork, int nthreads);

@@ -57,6 +57,8 @@ def linear(uintptr_t x, int64_t ldx, int64_t T, uintptr_t w_data, uintptr_t w_sc
     with nogil:
         rc = ops.linear(<const float *>x, ldx, T, &w, <const float *>bias, act, <float *>y, ldy,
                         nthreads)
+    if rc == -4:
+        raise ValueError(f"linear: int8q weights take at most {MOE_I8Q_MAX_K} inputs, got {k}")
     if rc != 0:
         raise MemoryError("linear: scratch (bf16 pairs of the activations, padded bias) could not be allocated")
 
@@ -110,6 +112,8 @@ def moe_ffn(uintptr_t x, int64_t T, int64_t H, uintptr_t idx, uintptr_t weight, 
     free(experts)
     if rc == -1:
         raise ValueError("moe_ffn: a routed expert index is out of range or names an absent expert")
+    if rc == -4:
+        raise ValueError(f"moe_ffn: int8q weights take at most {MOE_I8Q_MAX_K} inputs")
     if rc == -3:
         raise ValueError("moe_ffn: the experts of one call mix bf16p, bf16x3 or i8q with other "
                          "storage")

@@ -104,9 +104,11 @@ static inline void store_bytes(void *p, vi q) {
 }
 
 /* i8q: a row of k fp32 activations at src as ceil(k/4) words of unsigned bytes q + 128 at dst
- * (q = rint(x * 127 / max|x|) in [-127, 127], a last quad padded with q = 0) and the row's
- * scale max|x| / 127 in word ld - 1 of dst. A row of zeros has scale 0; a row with an inf or a
- * NaN gets a NaN scale, so its outputs are NaN as an fp32 GEMM's would be. Every build
+ * (q = rint(x * (127 / max|x|)) in [-127, 127], a last quad padded with q = 0) and the row's
+ * scale max|x| / 127 in word ld - 1 of dst. A row of zeros has scale 0, and so has a row whose
+ * max|x| is below 127 / FLT_MAX (~3.7e-37, where 127 / max|x| overflows): it quantizes as
+ * zeros. A row with an inf or a NaN gets a NaN scale (and q = 0), so its outputs are NaN as
+ * an fp32 GEMM's would not be finite either. Every build
  * quantizes to the same bytes: the max is exact, and each value is one fp32 multiply (never
  * fused with the rounding's add: the product is pinned in a register first) rounded to
  * nearest even, by adding and subtracting 1.5 * 2^23 in vectors, rintf in the tail. dst may be
@@ -141,8 +143,9 @@ static inline void q8_row(const float *src, int64_t k, void *dst, int64_t ld) {
         memcpy(out + 4 * (ld - 1), &nan, sizeof nan);
         return;
     }
-    const float scale = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float scale = inv <= FLT_MAX ? amax / 127.0f : 0.0f;
+    inv = inv <= FLT_MAX ? inv : 0.0f; /* below ~3.7e-37: zeros */
     i = 0;
 #if defined(__x86_64__) || defined(__i386__)
     {
@@ -1028,6 +1031,7 @@ static void run_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int6
 
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
+    if (w->dtype == MOE_W_I8Q && w->k > MOE_I8Q_MAX_K) return -4; /* int32 sums would overflow */
     const int terms = moe_pair_terms(w->dtype), bf16p = terms > 0;
     const int form = act_form(w->dtype);
     const int64_t P = num_panels(w);
@@ -1090,6 +1094,9 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     for (int e = 0; e < E; e++) {
         if (!experts[e].w13.data) continue;
         const int p13 = act_form(experts[e].w13.dtype), p2 = act_form(experts[e].w2.dtype);
+        if ((p13 == ACT_Q8 && experts[e].w13.k > MOE_I8Q_MAX_K) ||
+            (p2 == ACT_Q8 && experts[e].w2.k > MOE_I8Q_MAX_K))
+            return -4; /* int32 sums would overflow */
         /* the work rows are laid out for one of bf16x3's planes and i8q's scale word */
         if ((p13 == ACT_Q8 && p2 > 0 && p2 != ACT_Q8) || (p2 == ACT_Q8 && p13 > 0 && p13 != ACT_Q8))
             return -3;
@@ -1236,13 +1243,14 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
 #endif
 #define FMA(a) a = a * m + c
         /* int8 quads (i8q): vpdpbusd where the build has it, else the two vpmaddwd and adds a
-         * quad the i8q micro-kernel does; the bytes (1, -1 alternating) keep the sums small */
-        vi qw = bcast_word(0xff01ff01u);
+         * quad the i8q micro-kernel does; activations (1, 1, 1, 1) against weights (-1, 1, -1,
+         * 1): each step adds 0, so the sums never overflow */
+        vi qx = bcast_word(0x01010101u), qw = bcast_word(0x01ff01ffu);
 #if VW == 16 && defined(__AVX512VNNI__)
-#define QDOT(a) a = (vf)_mm512_dpbusd_epi32((__m512i)a, (__m512i)qw, (__m512i)qw); PIN_VEC(qw)
+#define QDOT(a) a = (vf)_mm512_dpbusd_epi32((__m512i)a, (__m512i)qx, (__m512i)qw); PIN_VEC(qw)
 #else
-        vi qe = (vi)(((vs16)qw << 8) >> 8), qo = (vi)((vs16)qw >> 8), xe = qw & 0x00ff00ff,
-           xo = (qw >> 8) & 0x00ff00ff;
+        vi qe = (vi)(((vs16)qw << 8) >> 8), qo = (vi)((vs16)qw >> 8), xe = qx & 0x00ff00ff,
+           xo = (qx >> 8) & 0x00ff00ff;
         /* the operands made opaque at each step, or the compiler hoists the products, constant
          * in the loop, and the chain becomes adds */
 #define QDOT(a) a = (vf)((vi)a + madd16(qe, xe) + madd16(qo, xo)); PIN_VEC(qe); PIN_VEC(qo); \

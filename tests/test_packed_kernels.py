@@ -28,12 +28,17 @@ FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 
 def q8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8q's activations written out: per row, q = rint(x * (127 / max|x|)) in fp32 (a row of
-    zeros: q = 0) and the scale max|x| / 127, as int64 codes and fp32 scales."""
+    """int8q's activations written out: per row, q = rint(x * (127 / max|x|)) in fp32 and the
+    scale max|x| / 127, as int64 codes and fp32 scales; a row whose 127 / max|x| is not a
+    finite float (zeros, or max|x| below ~3.7e-37) has q = 0 and scale 0. The quotients are
+    IEEE fp32 divisions, as the kernel's: torch divides a float tensor through a reciprocal,
+    an ulp off in some rows, so they are taken in fp64 and rounded once (exact for fp32)."""
     x = x.float()
     amax = x.abs().amax(dim=1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return torch.round(x * inv[:, None]).clamp(-127, 127).long(), amax / 127.0
+    inv = (127.0 / amax.double()).float()
+    zero = ~(inv <= torch.finfo(torch.float32).max)
+    inv, scale = inv.masked_fill(zero, 0.0), (amax.double() / 127.0).float().masked_fill(zero, 0.0)
+    return torch.round(x * inv[:, None]).clamp(-127, 127).long(), scale
 
 
 def activations(x: torch.Tensor, storage: str) -> torch.Tensor:
@@ -429,7 +434,7 @@ def test_bf16_dot_probe_measures_a_positive_rate_on_every_isa(isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("tokens, n, k", [(1, 32, 16), (3, 45, 37), (17, 70, 130),
-                                          (64, 96, 1024), (333, 40, 700)])
+                                          (64, 96, 1024), (333, 40, 700), (100, 8, 20001)])
 def test_int8q_linear_is_its_integer_formula_bitwise(isa, tokens, n, k):
     """int8q: (float)(sum of int8 codes' products) * row scale * column scale + bias, the sum
     exact: bitwise the same torch formula on every ISA, k not a multiple of 4 included (its
@@ -437,7 +442,7 @@ def test_int8q_linear_is_its_integer_formula_bitwise(isa, tokens, n, k):
     torch.manual_seed(k)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(tokens, k)
     xq, xs = q8_rows(x)
-    ws = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    ws = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # as packing computes them
     wq = torch.round(w / ws[:, None]).clamp(-127, 127).long()
     ref = ((xq @ wq.T).float() * xs[:, None]) * ws[None, :] + b
     y = packed.packed_linear(x, packed.pack_linear(w, "int8q"), b, isa=isa, threads=2)
@@ -446,17 +451,21 @@ def test_int8q_linear_is_its_integer_formula_bitwise(isa, tokens, n, k):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_int8q_rows_of_zeros_and_non_finite_values(isa):
-    """A row of zeros gives the bias (its scale is 0, not a division by zero); a row with an
-    inf or a NaN gives NaN, as an fp32 GEMM's outputs would not be finite either; the rows
-    beside them are unaffected."""
-    lin = packed.pack_linear(torch.randn(8, 12), "int8q")
+    """A row of zeros gives the bias (its scale is 0, not a division by zero), and so do rows
+    whose largest value is below ~3.7e-37 (127 / max|x| would overflow); a row with an inf or
+    a NaN gives NaN, as an fp32 GEMM's outputs would not be finite either; the rows beside
+    them are unaffected. 40 inputs: vectors and a tail on every build."""
+    lin = packed.pack_linear(torch.randn(8, 40), "int8q")
     b = torch.randn(8)
-    x = torch.randn(4, 12)
+    x = torch.randn(6, 40)
     x[1] = 0.0
     x[2, 5] = float("inf")
     x[3, 0] = float("nan")
+    x[4] = torch.linspace(-1e-37, 1e-37, 40)
+    x[5] = 0.0
+    x[5, 39] = 1e-39  # subnormal, in the tail
     y = packed.packed_linear(x, lin, b, isa=isa)
-    assert torch.equal(y[1], b)
+    assert torch.equal(y[1], b) and torch.equal(y[4], b) and torch.equal(y[5], b)
     assert y[2].isnan().all() and y[3].isnan().all()
     assert torch.equal(y[0], packed.packed_linear(x[:1], lin, b, isa=isa)[0])
 
@@ -474,6 +483,12 @@ def test_int8q_packs_its_column_corrections_and_refuses_sizes_it_cannot_hold():
         packed.pack_expert(ExpertWeights(torch.randn(2 * 6, 64), torch.randn(64, 6)), "int8q")
     with pytest.raises(ValueError, match="at most"):
         packed.pack_linear(torch.randn(1, packed.I8Q_MAX_K + 4), "int8q")
+    # the kernels refuse it too, before reading a weight
+    big = packed.PackedLinear(data=torch.zeros(1, 1, packed.QUAD_BYTES, dtype=torch.int8),
+                              scale=torch.zeros(2 * packed.NR), n=packed.NR,
+                              k=packed.I8Q_MAX_K + 4, storage="int8q")
+    with pytest.raises(ValueError, match="at most"):
+        packed.packed_linear(torch.zeros(1, big.k), big)
 
 
 def test_int8q_experts_beside_other_storage_are_refused():

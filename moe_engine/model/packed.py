@@ -102,8 +102,10 @@ def storage_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class PackedLinear:
     """A [n, k] weight in panel layout: `data` [P, k, 32] (int4, mxfp4: [P, k, 16] bytes; bf16p:
-    [P, ceil(k/2), 32] int32 words of bf16 pairs), `scale` for int8 ([P*32] fp32), int4
-    ([P, k/32, 32] fp32) and mxfp4 ([P, k/32, 32] E8M0 bytes), None for float storage."""
+    [P, ceil(k/2), 32] int32 words of bf16 pairs; int8q: [P, ceil(k/4), 128] bytes of quads),
+    `scale` for int8 ([P*32] fp32), int8q ([P*32] fp32 scales, then [P*32] int32 column
+    corrections stored as the tensor's fp32 bits), int4 ([P, k/32, 32] fp32) and mxfp4
+    ([P, k/32, 32] E8M0 bytes), None for float storage."""
 
     data: torch.Tensor
     scale: Optional[torch.Tensor]
@@ -252,12 +254,14 @@ def pack_expert(mlp: ExpertWeights, storage: str) -> ExpertWeights:
     needs even H and I (a packed expert's shape says its pair-rows, not an odd k), int8q
     multiples of 4 (its quad-rows)."""
     rows = is_mxfp4_rows(mlp)
-    if storage in PAIR_STORAGES and (mlp.w2.shape[0] % 2 or mlp.w2.shape[1] % 2):
+    # the expert's sizes, not its tensors' (MXFP4 rows hold two inputs a byte)
+    hidden, inter = mlp.w2.shape[0], mlp.w13.shape[0] // 2
+    if storage in PAIR_STORAGES and (hidden % 2 or inter % 2):
         raise ValueError(f"{storage} experts need an even hidden and intermediate size, got "
-                         f"{tuple(mlp.w2.shape)}")
-    if storage == QUAD_STORAGE and (mlp.w2.shape[0] % 4 or mlp.w2.shape[1] % 4):
+                         f"{(hidden, inter)}")
+    if storage == QUAD_STORAGE and (hidden % 4 or inter % 4):
         raise ValueError(f"{storage} experts need a hidden and intermediate size that are "
-                         f"multiples of 4, got {tuple(mlp.w2.shape)}")
+                         f"multiples of 4, got {(hidden, inter)}")
     q13, s13 = _quantized_rows(mlp.w13, mlp.s13, rows, storage)
     p13, s13 = _pack_rows(_gate_up_rows(q13), _gate_up_rows(s13) if s13 is not None else None,
                           storage)
