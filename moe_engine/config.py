@@ -173,7 +173,7 @@ class EngineConfig:
     # (experts in expert_dtype), instead of torch GEMMs in model.dtype.
     gemm: GemmImpl = GemmImpl.auto
     expert_dtype: ExpertDType = ExpertDType.auto
-    matmul_precision: MatmulPrecision = MatmulPrecision.highest  # medium: bf16 activations
+    matmul_precision: MatmulPrecision = MatmulPrecision.highest  # medium: bf16 (int8) activations
     kv_dtype: DType = DType.auto  # KV cache storage; auto = model.dtype
     policy: PolicySource = PolicySource.search
     resident_ratio: float = 1.0
