@@ -24,6 +24,9 @@ AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", 
 ISA_BUILDS = [
     ("isa_generic.c", [], None),
     ("isa_avx2.c", ["-mavx2", "-mfma", "-mf16c"], "MOE_BUILT_AVX2"),
+    # AVX2 plus the VEX vpdpbusd (AVX-VNNI: Alder Lake on, Zen 5) for i8q weights; dropped where
+    # the compiler or its assembler lacks it (GCC < 11, binutils < 2.36)
+    ("isa_avxvnni.c", ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], "MOE_BUILT_AVXVNNI"),
     ("isa_avx512.c", AVX512_FLAGS, "MOE_BUILT_AVX512"),
     # AVX-512 plus vdpbf16ps and vpdpbusd (Cooper Lake, Zen 4, Sapphire Rapids on: every CPU
     # with AVX512-BF16 has AVX512-VNNI): bf16p and i8q weights only; dropped where the
@@ -50,6 +53,10 @@ def _compiler_accepts(flags: list[str]) -> bool:
         with open(src, "w") as f:
             if "-fopenmp" in flags:
                 f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n")
+            elif "-mavxvnni" in flags:  # as for AMX: the assembler has to know it
+                f.write("#include <immintrin.h>\nint main(int c, char **v){__m256i a = "
+                        "_mm256_set1_epi32(c); a = _mm256_dpbusd_avx_epi32(a, a, a); "
+                        "return _mm256_extract_epi32(a, 0) == 7 && v == 0;}\n")
             elif "-mamx-tile" in flags:
                 # a compiler can take -mamx-* before its assembler knows the instructions
                 # (GCC 11 with binutils < 2.36): the probe has to emit one

@@ -79,9 +79,9 @@ GROUPS = ("engine", "expert", "attention", "accuracy", "default_run")
 
 def attention_isas(supported: list[str], default: str | None) -> list[str]:
     """The builds attention is judged on: AVX2, and the CPU's default when it is another
-    (AVX-512): "on both ISAs" where the CPU has both."""
+    (AVX-512): "on both ISAs" where the CPU has both. avxvnni's attention is the AVX2 code."""
     isas = ["avx2"] if "avx2" in supported else []
-    if default and default not in isas and default != "generic":
+    if default and default not in isas and default not in ("generic", "avxvnni"):
         isas.append(default)
     return isas
 

@@ -45,6 +45,13 @@ int moe_isa_supported(int isa) {
             return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                    __builtin_cpu_supports("f16c");
 #endif
+#if defined(MOE_BUILT_AVXVNNI)
+        case MOE_ISA_AVXVNNI: { /* CPUID leaf 7 sub-leaf 1, EAX bit 4 (the VEX encoding) */
+            unsigned a, b, c, d;
+            return moe_isa_supported(MOE_ISA_AVX2) && __get_cpuid_count(7, 1, &a, &b, &c, &d) &&
+                   (a >> 4 & 1);
+        }
+#endif
 #if defined(MOE_BUILT_AVX512)
         case MOE_ISA_AVX512:
             return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -73,7 +80,7 @@ int moe_isa_best(void) {
 }
 
 const char *moe_isa_name(int isa) {
-    static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avx512",
+    static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avxvnni", "avx512",
                                                         "avx512bf16", "amx"};
     return isa >= 0 && isa < MOE_ISA_COUNT ? names[isa] : "unknown";
 }
@@ -83,6 +90,9 @@ const moe_isa_ops *moe_isa_get(int isa) {
     switch (isa) {
 #if defined(MOE_BUILT_AVX2)
         case MOE_ISA_AVX2: return &moe_ops_avx2;
+#endif
+#if defined(MOE_BUILT_AVXVNNI)
+        case MOE_ISA_AVXVNNI: return &moe_ops_avxvnni;
 #endif
 #if defined(MOE_BUILT_AVX512)
         case MOE_ISA_AVX512: return &moe_ops_avx512;

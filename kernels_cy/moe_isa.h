@@ -87,9 +87,11 @@ typedef struct {
 } moe_glu;
 /* AVX512BF16: the AVX-512 build plus vdpbf16ps for bf16p weights (every other path as AVX512).
  * AMX: AVX512BF16 with bf16p weights on AMX tiles (tdpbf16ps; amx_bf16p.h). */
+/* AVXVNNI: the AVX2 build plus the VEX vpdpbusd for i8q weights (every other path as AVX2).
+ * The codes are in order of preference (moe_isa_best takes the highest the CPU runs). */
 enum moe_isa {
-    MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVX512 = 2, MOE_ISA_AVX512BF16 = 3,
-    MOE_ISA_AMX = 4, MOE_ISA_COUNT = 5
+    MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVXVNNI = 2, MOE_ISA_AVX512 = 3,
+    MOE_ISA_AVX512BF16 = 4, MOE_ISA_AMX = 5, MOE_ISA_COUNT = 6
 };
 
 /* A packed weight: data in the layout above, n true output columns, k inputs. */
@@ -176,6 +178,7 @@ typedef struct {
 
 extern const moe_isa_ops moe_ops_generic;
 extern const moe_isa_ops moe_ops_avx2;
+extern const moe_isa_ops moe_ops_avxvnni;
 extern const moe_isa_ops moe_ops_avx512;
 extern const moe_isa_ops moe_ops_avx512bf16;
 extern const moe_isa_ops moe_ops_amx;
@@ -216,7 +219,7 @@ static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) 
 /* Dispatch (isa_dispatch.c). */
 int moe_isa_supported(int isa);
 int moe_isa_best(void);
-/* "generic", "avx2", "avx512", "avx512bf16", "amx" (built or not) */
+/* "generic", "avx2", "avxvnni", "avx512", "avx512bf16", "amx" (built or not) */
 const char *moe_isa_name(int isa);
 const moe_isa_ops *moe_isa_get(int isa);
 

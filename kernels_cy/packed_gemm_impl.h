@@ -452,6 +452,14 @@ static inline __attribute__((always_inline)) void q8_steps(const int M, const fl
             acc[r][0] = (vf)_mm512_dpbusd_epi32((__m512i)acc[r][0], xb, (__m512i)a);
             acc[r][1] = (vf)_mm512_dpbusd_epi32((__m512i)acc[r][1], xb, (__m512i)b);
         }
+#elif VW == 8 && defined(__AVXVNNI__)
+        for (int r = 0; r < M; r++) {
+            int32_t w;
+            memcpy(&w, x + r * ldx + j, sizeof w);
+            const __m256i xb = _mm256_set1_epi32(w);
+            acc[r][0] = (vf)_mm256_dpbusd_avx_epi32((__m256i)acc[r][0], xb, (__m256i)a);
+            acc[r][1] = (vf)_mm256_dpbusd_avx_epi32((__m256i)acc[r][1], xb, (__m256i)b);
+        }
 #else
         /* each lane's weight bytes 0, 2 (even) and 1, 3 (odd) as signed 16-bit halves */
         const vi ae = (vi)(((vs16)a << 8) >> 8), ao = (vi)((vs16)a >> 8);
@@ -1248,6 +1256,8 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
         vi qx = bcast_word(0x01010101u), qw = bcast_word(0x01ff01ffu);
 #if VW == 16 && defined(__AVX512VNNI__)
 #define QDOT(a) a = (vf)_mm512_dpbusd_epi32((__m512i)a, (__m512i)qx, (__m512i)qw); PIN_VEC(qw)
+#elif VW == 8 && defined(__AVXVNNI__)
+#define QDOT(a) a = (vf)_mm256_dpbusd_avx_epi32((__m256i)a, (__m256i)qx, (__m256i)qw); PIN_VEC(qw)
 #else
         vi qe = (vi)(((vs16)qw << 8) >> 8), qo = (vi)((vs16)qw >> 8), xe = qx & 0x00ff00ff,
            xo = (qx >> 8) & 0x00ff00ff;
