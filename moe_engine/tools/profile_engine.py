@@ -40,6 +40,31 @@ OVER_BUDGET = 4.0
 FACTOR_BOUNDS = (0.5, 4.0)
 
 
+def engine_knobs(m: ModelSpec, native: str | None = None) -> dict[str, str]:
+    """The EngineConfig fields under which the engine holds the weights as m describes them
+    (the inverse of model.spec.precision_storage and of the policy stage's held storages):
+    torch's GEMMs, medium's bf16 pairs and int8 quads, high's bf16x3, quantized experts, and
+    experts the checkpoint stores quantized (`native`, MXFP4) widened to the model dtype."""
+    from moe_engine.model.spec import (BF16X3_STORAGE, FLOAT_STORAGE, PAIR_STORAGE, QUAD_STORAGE,
+                                       TORCH_GEMM_STORAGE)
+
+    held = {m.weight_storage, m.expert_storage}
+    knobs: dict[str, str] = {}
+    if m.weight_storage == TORCH_GEMM_STORAGE:
+        knobs["gemm"] = "torch"
+    if held & {PAIR_STORAGE, QUAD_STORAGE}:
+        knobs["matmul_precision"] = "medium"
+    elif BF16X3_STORAGE in held:
+        knobs["matmul_precision"] = "high"
+    if m.expert_storage in ("int8", "int4", "mxfp4"):
+        knobs["expert_dtype"] = m.expert_storage
+    elif m.expert_storage == QUAD_STORAGE:
+        knobs["expert_dtype"] = "int8"
+    elif m.expert_storage is None and native is not None and "gemm" not in knobs:
+        knobs["expert_dtype"] = FLOAT_STORAGE.get(m.torch_dtype, "bf16")  # torch's GEMMs widen
+    return knobs
+
+
 class CalibrationSkipped(Exception):
     """The run would not measure what the model prices (the engine would hold the experts in
     another storage than the profile describes) or would take too long."""
@@ -75,11 +100,7 @@ def measure_engine_factors(checkpoint: Path | str, m: ModelSpec, data: dict[str,
     # The profile's figures over the config's defaults, as hardware.profile=auto reads them.
     hw = spec_from_figures({**config_figures(HardwareConfig()), **data}, m.weight_storage)
     hw = replace(hw, engine_factors=())
-    native = ModelSpec.from_hf_config(checkpoint, dtype=m.torch_dtype).expert_storage
-    if native != m.expert_storage:
-        # e.g. MXFP4 experts that the job widens (engine.expert_dtype) but a default engine keeps
-        raise CalibrationSkipped(f"a default engine holds the experts as {native}, the model prices "
-                                 f"them as {m.expert_storage or m.torch_dtype}")
+    knobs = engine_knobs(m, ModelSpec.from_hf_config(checkpoint, dtype=m.torch_dtype).expert_storage)
     predicted: dict[str, float] = {}
     for count in REQUEST_COUNTS:
         prompts, gens = calibration_lengths(count, m.max_position_embeddings)
@@ -91,7 +112,7 @@ def measure_engine_factors(checkpoint: Path | str, m: ModelSpec, data: dict[str,
     tokens = sum(prompts) + sum(gens) + 2 * count * 16  # a block of slack per sequence
     kv_gb = 1.5 * tokens * m.num_layers * m.kv_bytes_per_token_layer / 1e9 + 0.01
     config = EngineConfig(threads=threads, kv_cache_gb=kv_gb, max_num_seqs=count,
-                          max_prefill_tokens=PREFILL_TOKENS, num_micro_batches=1)
+                          max_prefill_tokens=PREFILL_TOKENS, num_micro_batches=1, **knobs)
     rng = random.Random(0)
     requests = [[rng.randrange(3, m.vocab_size) for _ in range(p)] for p in prompts]
 
@@ -102,6 +123,10 @@ def measure_engine_factors(checkpoint: Path | str, m: ModelSpec, data: dict[str,
             pass
 
     engine = LLMEngine(checkpoint, config, dtype=m.torch_dtype)
+    if engine.spec.expert_storage != m.expert_storage:
+        engine.close()
+        raise CalibrationSkipped(f"the engine holds the experts as {engine.spec.expert_storage} "
+                                 f"under {knobs}, the model prices them as {m.expert_storage}")
     runs: list[dict[str, float]] = []
     seconds: list[float] = []
     try:
