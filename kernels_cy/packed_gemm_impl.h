@@ -431,10 +431,24 @@ static inline vi bcast_word(uint32_t w) {
     return r;
 }
 
+/* acc + per lane, the four products of x's unsigned bytes with w's signed ones: vpdpbusd,
+ * where the build has it (AVX512-VNNI at 16 lanes, AVX-VNNI's VEX form at 8). */
+#if VW == 16 && defined(__AVX512VNNI__)
+#define HAVE_DPBUSD 1
+static inline vi dpbusd(vi acc, vi x, vi w) {
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)x, (__m512i)w);
+}
+#elif VW == 8 && defined(__AVXVNNI__)
+#define HAVE_DPBUSD 1
+static inline vi dpbusd(vi acc, vi x, vi w) {
+    return (vi)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)x, (__m256i)w);
+}
+#endif
+
 /* i8q quad-rows [j0, j1) of pass s for M rows: acc[r][0..1] (int32 sums held in the vf
  * registers' bits) += per lane, the four products of row r's quad (unsigned bytes, x words of
- * row stride ldx) with the lane's four signed weights. AVX512-VNNI: one vpdpbusd a vector;
- * elsewhere the same integer sums, bytes 0 and 2 then 1 and 3 through vpmaddwd. */
+ * row stride ldx) with the lane's four signed weights. AVX512-VNNI and AVX-VNNI: one vpdpbusd
+ * a vector; elsewhere the same integer sums, bytes 0 and 2 then 1 and 3 through vpmaddwd. */
 static inline __attribute__((always_inline)) void q8_steps(const int M, const float *x,
                                                           int64_t ldx, const char *panel, int s,
                                                           int64_t j0, int64_t j1, vf acc[][2]) {
@@ -444,21 +458,13 @@ static inline __attribute__((always_inline)) void q8_steps(const int M, const fl
         vi a, b;
         memcpy(&a, row + s * VW * 4, sizeof a);
         memcpy(&b, row + (16 + s * VW) * 4, sizeof b);
-#if VW == 16 && defined(__AVX512VNNI__)
+#if defined(HAVE_DPBUSD)
         for (int r = 0; r < M; r++) {
-            int32_t w;
+            uint32_t w;
             memcpy(&w, x + r * ldx + j, sizeof w);
-            const __m512i xb = _mm512_set1_epi32(w);
-            acc[r][0] = (vf)_mm512_dpbusd_epi32((__m512i)acc[r][0], xb, (__m512i)a);
-            acc[r][1] = (vf)_mm512_dpbusd_epi32((__m512i)acc[r][1], xb, (__m512i)b);
-        }
-#elif VW == 8 && defined(__AVXVNNI__)
-        for (int r = 0; r < M; r++) {
-            int32_t w;
-            memcpy(&w, x + r * ldx + j, sizeof w);
-            const __m256i xb = _mm256_set1_epi32(w);
-            acc[r][0] = (vf)_mm256_dpbusd_avx_epi32((__m256i)acc[r][0], xb, (__m256i)a);
-            acc[r][1] = (vf)_mm256_dpbusd_avx_epi32((__m256i)acc[r][1], xb, (__m256i)b);
+            const vi xb = bcast_word(w);
+            acc[r][0] = (vf)dpbusd((vi)acc[r][0], xb, a);
+            acc[r][1] = (vf)dpbusd((vi)acc[r][1], xb, b);
         }
 #else
         /* each lane's weight bytes 0, 2 (even) and 1, 3 (odd) as signed 16-bit halves */
@@ -1254,10 +1260,8 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
          * quad the i8q micro-kernel does; activations (1, 1, 1, 1) against weights (-1, 1, -1,
          * 1): each step adds 0, so the sums never overflow */
         vi qx = bcast_word(0x01010101u), qw = bcast_word(0x01ff01ffu);
-#if VW == 16 && defined(__AVX512VNNI__)
-#define QDOT(a) a = (vf)_mm512_dpbusd_epi32((__m512i)a, (__m512i)qx, (__m512i)qw); PIN_VEC(qw)
-#elif VW == 8 && defined(__AVXVNNI__)
-#define QDOT(a) a = (vf)_mm256_dpbusd_avx_epi32((__m256i)a, (__m256i)qx, (__m256i)qw); PIN_VEC(qw)
+#if defined(HAVE_DPBUSD)
+#define QDOT(a) a = (vf)dpbusd((vi)a, qx, qw); PIN_VEC(qw)
 #else
         vi qe = (vi)(((vs16)qw << 8) >> 8), qo = (vi)((vs16)qw >> 8), xe = qx & 0x00ff00ff,
            xo = (qx >> 8) & 0x00ff00ff;
