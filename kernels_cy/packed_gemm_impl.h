@@ -86,6 +86,24 @@ static inline int64_t act_words(int dt, int64_t k0) {
 #define ACT_Q8 4
 static inline int act_form(int dt) { return dt == MOE_W_I8Q ? ACT_Q8 : moe_pair_terms(dt); }
 
+static inline vf vmin(vf a, vf b) {
+    const vi lt = (vi)(a < b);
+    return (vf)((lt & (vi)a) | (~lt & (vi)b));
+}
+
+static inline vf vmax(vf a, vf b) {
+    const vi gt = (vi)(a > b);
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
+}
+
+/* Keeps a vector in a register, opaque to the compiler: what it holds is computed here (not
+ * fused into a later operation, not hoisted out of a loop). */
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN_VEC(x) __asm__("" : "+v"(x))
+#else
+#define PIN_VEC(x) ((void)0)
+#endif
+
 /* VW int32 lanes holding 0..255 as VW bytes, in lane order, at p. */
 static inline void store_bytes(void *p, vi q) {
 #if VW == 16 && defined(__AVX512F__)
@@ -124,7 +142,7 @@ static inline void q8_row(const float *src, int64_t k, void *dst, int64_t ld) {
         for (; i + VW <= k; i += VW) {
             const vf a = (vf)((vi)ldf(src + i) & 0x7fffffff);
             bad |= ~(vi)(a <= FLT_MAX); /* inf and NaN */
-            m = (vf)(((vi)(a > m) & (vi)a) | (~(vi)(a > m) & (vi)m));
+            m = vmax(a, m);
         }
         for (int l = 0; l < VW; l++) {
             finite &= bad[l] == 0;
@@ -152,10 +170,8 @@ static inline void q8_row(const float *src, int64_t k, void *dst, int64_t ld) {
         const vf vinv = bcast(inv), top = bcast(127.0f), magic = bcast(12582912.0f);
         for (; i + VW <= k; i += VW) {
             vf v = ldf(src + i) * vinv;
-            __asm__("" : "+v"(v)); /* rounded here, as the scalar rintf(x * inv) */
-            v = (v + magic) - magic;
-            v = (vf)(((vi)(v > top) & (vi)top) | (~(vi)(v > top) & (vi)v));
-            v = (vf)(((vi)(v < -top) & (vi)(-top)) | (~(vi)(v < -top) & (vi)v));
+            PIN_VEC(v); /* rounded here, as the scalar rintf(x * inv) */
+            v = vmax(vmin((v + magic) - magic, top), -top);
             store_bytes(out + i, __builtin_convertvector(v, vi) + 128);
         }
     }
@@ -389,22 +405,6 @@ static inline __attribute__((always_inline)) void fma_rows(const int M, const fl
     }
 }
 
-/* k steps [k0, k1) of pass s for the storages whose k-rows load alone (fp32, bf16, fp16,
- * int8). */
-static inline __attribute__((always_inline)) void pass_steps(const int dt, const int M,
-                                                            const float *x, int64_t ldx,
-                                                            const char *panel, int s,
-                                                            int64_t k0, int64_t k1,
-                                                            vf acc[][2]) {
-    const int64_t rb = krow_bytes(dt);
-    for (int64_t k = k0; k < k1; k++) {
-        vf a, b;
-        if (s == 0) prefetch_krow(panel, k, rb); /* pass 0 only: the later passes find it */
-        load_pair(dt, panel + k * rb, s, &a, &b);
-        fma_rows(M, x, ldx, k, a, b, acc, 0);
-    }
-}
-
 /* i8q: the pairs of signed 16-bit halves of a and b multiplied and summed per 32-bit lane
  * (vpmaddwd). Exact for the bytes it is given (|product| <= 255 * 127). */
 typedef int16_t vs16 __attribute__((vector_size(VW * 4)));
@@ -419,12 +419,6 @@ static inline vi madd16(vi a, vi b) {
     return ((vi)((vu)a << 16) >> 16) * ((vi)((vu)b << 16) >> 16) + (a >> 16) * (b >> 16);
 #endif
 }
-
-#if defined(__x86_64__) || defined(__i386__)
-#define PIN_VEC(x) __asm__("" : "+v"(x))
-#else
-#define PIN_VEC(x) ((void)0)
-#endif
 
 static inline vi bcast_word(uint32_t w) {
     vi r = (vi){0} + (int32_t)w;
@@ -481,6 +475,26 @@ static inline __attribute__((always_inline)) void q8_steps(const int M, const fl
     }
 }
 
+/* k steps [k0, k1) of pass s for the storages whose k-rows load alone (fp32, bf16, fp16,
+ * int8), or i8q's quad-rows [k0, k1) (q8_steps). */
+static inline __attribute__((always_inline)) void pass_steps(const int dt, const int M,
+                                                            const float *x, int64_t ldx,
+                                                            const char *panel, int s,
+                                                            int64_t k0, int64_t k1,
+                                                            vf acc[][2]) {
+    if (dt == MOE_W_I8Q) {
+        q8_steps(M, x, ldx, panel, s, k0, k1, acc);
+        return;
+    }
+    const int64_t rb = krow_bytes(dt);
+    for (int64_t k = k0; k < k1; k++) {
+        vf a, b;
+        if (s == 0) prefetch_krow(panel, k, rb); /* pass 0 only: the later passes find it */
+        load_pair(dt, panel + k * rb, s, &a, &b);
+        fma_rows(M, x, ldx, k, a, b, acc, 0);
+    }
+}
+
 /* acc[r][0..1] = init[r] (zero when NULL) + sum over k of x[r, k] * (pass s columns of the
  * panel), one FMA chain per output in increasing k. A stream's walk (st) runs the steps in
  * blocks, its prefetches between them; without one the steps run as one loop. */
@@ -489,24 +503,13 @@ static inline __attribute__((always_inline)) void micro_kernel(
     const void *gscale, int s, vf acc[][2], const float *init, panel_stream *st) {
     const int64_t rb = krow_bytes(dt);
     acc_start(M, s, acc, init);
-    if (dt == MOE_W_I8Q) { /* x holds quads of unsigned bytes, ldx words a row */
-        const int64_t Q = (K + 3) / 4;
-        stream_walk qw = walk_begin(st, (Q + STREAM_BLOCK - 1) / STREAM_BLOCK);
-        if (!qw.per_block) {
-            q8_steps(M, x, ldx, panel, s, 0, Q, acc);
-            return;
-        }
-        for (int64_t j0 = 0; j0 < Q; j0 += STREAM_BLOCK) {
-            walk_block(&qw);
-            q8_steps(M, x, ldx, panel, s, j0, j0 + STREAM_BLOCK < Q ? j0 + STREAM_BLOCK : Q, acc);
-        }
-        walk_end(st, &qw);
-        return;
-    }
+    /* the steps the k loop takes: k-rows, or i8q's quad-rows (x then holds quads of unsigned
+     * bytes, ldx words a row) */
+    const int64_t steps = panel_rows(dt, K);
     /* i4/fp4: a block a group (bf16 pairs never stream: plan_gemm) */
     stream_walk sw = walk_begin(st, dt == MOE_W_I4 || dt == MOE_W_FP4
                                         ? K / MOE_I4_GROUP
-                                        : (K + STREAM_BLOCK - 1) / STREAM_BLOCK);
+                                        : (steps + STREAM_BLOCK - 1) / STREAM_BLOCK);
     if (dt == MOE_W_I4 || dt == MOE_W_FP4) { /* both have groups of 32 (MOE_I4_GROUP) */
         for (int64_t g = 0; g < K; g += MOE_I4_GROUP) {
             vf sa, sb;
@@ -577,28 +580,18 @@ static inline __attribute__((always_inline)) void micro_kernel(
         return;
     }
     if (!sw.per_block) {
-        pass_steps(dt, M, x, ldx, panel, s, 0, K, acc);
+        pass_steps(dt, M, x, ldx, panel, s, 0, steps, acc);
         return;
     }
-    for (int64_t k0 = 0; k0 < K; k0 += STREAM_BLOCK) {
+    for (int64_t k0 = 0; k0 < steps; k0 += STREAM_BLOCK) {
         walk_block(&sw);
-        pass_steps(dt, M, x, ldx, panel, s, k0, k0 + STREAM_BLOCK < K ? k0 + STREAM_BLOCK : K,
-                   acc);
+        pass_steps(dt, M, x, ldx, panel, s, k0,
+                   k0 + STREAM_BLOCK < steps ? k0 + STREAM_BLOCK : steps, acc);
     }
     walk_end(st, &sw);
 }
 
 static inline vf vsigmoid(vf v) { return 1.0f / (1.0f + vexp(-v)); }
-
-static inline vf vmin(vf a, vf b) {
-    const vi lt = (vi)(a < b);
-    return (vf)((lt & (vi)a) | (~lt & (vi)b));
-}
-
-static inline vf vmax(vf a, vf b) {
-    const vi gt = (vi)(a > b);
-    return (vf)((gt & (vi)a) | (~gt & (vi)b));
-}
 
 /* The gated activation of gate g and up u (moe_glu), per lane. */
 static inline vf glu_apply(const moe_glu *glu, vf g, vf u) {
@@ -876,21 +869,20 @@ static inline const void *panel_gscale(const moe_packed *w, int64_t p, int64_t k
     return NULL;
 }
 
+static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
+
 /* Per-column scale of panel p (i8, i8q) or NULL. */
 static inline const float *panel_cscale(const moe_packed *w, int64_t p) {
     return w->dtype == MOE_W_I8 || w->dtype == MOE_W_I8Q ? (const float *)w->scale + p * MOE_NR
                                                          : NULL;
 }
 
-static inline int64_t num_panels(const moe_packed *w);
 /* Column corrections of panel p (i8q: after the scales of every panel) or NULL. */
 static inline const int32_t *panel_ccorr(const moe_packed *w, int64_t p) {
     return w->dtype == MOE_W_I8Q
                ? (const int32_t *)w->scale + (num_panels(w) + p) * MOE_NR
                : NULL;
 }
-
-static inline int64_t num_panels(const moe_packed *w) { return (w->n + MOE_NR - 1) / MOE_NR; }
 
 /* Bytes of one activation input as the tiles read it: fp32 4, bf16 pairs 2, bf16x3's three
  * planes of them 6, i8q's bytes 1. */
