@@ -28,6 +28,9 @@ ISA_BUILDS = [
     # the compiler or its assembler lacks it (GCC < 11, binutils < 2.36)
     ("isa_avxvnni.c", ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], "MOE_BUILT_AVXVNNI"),
     ("isa_avx512.c", AVX512_FLAGS, "MOE_BUILT_AVX512"),
+    # AVX-512 plus vpdpbusd (Cascade Lake, Ice Lake; VMs that hide AVX512-BF16 but not VNNI)
+    # for i8q weights; dropped where the compiler lacks -mavx512vnni (GCC < 8)
+    ("isa_avx512vnni.c", AVX512_FLAGS + ["-mavx512vnni"], "MOE_BUILT_AVX512VNNI"),
     # AVX-512 plus vdpbf16ps and vpdpbusd (Cooper Lake, Zen 4, Sapphire Rapids on: every CPU
     # with AVX512-BF16 has AVX512-VNNI): bf16p and i8q weights only; dropped where the
     # compiler lacks -mavx512bf16 (GCC < 10)

@@ -191,7 +191,8 @@ def main() -> None:
     ap.add_argument("--stream-mib", type=int, default=2048,
                     help="read-bandwidth buffer (must exceed the last-level cache)")
     ap.add_argument("--target", default="64x2048:bf16", help="BATCHxCONTEXT:DTYPE for RESULT")
-    ap.add_argument("--isa", choices=["generic", "avx2", "avxvnni", "avx512", "avx512bf16", "amx"],
+    ap.add_argument("--isa", choices=["generic", "avx2", "avxvnni", "avx512", "avx512vnni", "avx512bf16",
+                                      "amx"],
                     help="run this ISA build of the kernel (sets MOE_BATCH_ISA; default: CPUID)")
     args = ap.parse_args()
     if args.isa:

@@ -58,8 +58,12 @@ int moe_isa_supported(int isa) {
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                    __builtin_cpu_supports("fma");
 #endif
+#if defined(MOE_BUILT_AVX512VNNI)
+        case MOE_ISA_AVX512VNNI:
+            return moe_isa_supported(MOE_ISA_AVX512) && __builtin_cpu_supports("avx512vnni");
+#endif
 #if defined(MOE_BUILT_AVX512BF16)
-        case MOE_ISA_AVX512BF16:
+        case MOE_ISA_AVX512BF16: /* asked of the CPU, not of the avx512vnni build */
             return moe_isa_supported(MOE_ISA_AVX512) && __builtin_cpu_supports("avx512bf16") &&
                    __builtin_cpu_supports("avx512vnni");
 #endif
@@ -81,7 +85,7 @@ int moe_isa_best(void) {
 
 const char *moe_isa_name(int isa) {
     static const char *const names[MOE_ISA_COUNT] = {"generic", "avx2", "avxvnni", "avx512",
-                                                        "avx512bf16", "amx"};
+                                                        "avx512vnni", "avx512bf16", "amx"};
     return isa >= 0 && isa < MOE_ISA_COUNT ? names[isa] : "unknown";
 }
 
@@ -96,6 +100,9 @@ const moe_isa_ops *moe_isa_get(int isa) {
 #endif
 #if defined(MOE_BUILT_AVX512)
         case MOE_ISA_AVX512: return &moe_ops_avx512;
+#endif
+#if defined(MOE_BUILT_AVX512VNNI)
+        case MOE_ISA_AVX512VNNI: return &moe_ops_avx512vnni;
 #endif
 #if defined(MOE_BUILT_AVX512BF16)
         case MOE_ISA_AVX512BF16: return &moe_ops_avx512bf16;

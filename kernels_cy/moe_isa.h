@@ -88,10 +88,11 @@ typedef struct {
 /* AVX512BF16: the AVX-512 build plus vdpbf16ps for bf16p weights (every other path as AVX512).
  * AMX: AVX512BF16 with bf16p weights on AMX tiles (tdpbf16ps; amx_bf16p.h). */
 /* AVXVNNI: the AVX2 build plus the VEX vpdpbusd for i8q weights (every other path as AVX2).
+ * AVX512VNNI: the AVX-512 build plus the EVEX vpdpbusd for i8q weights (likewise).
  * The codes are in order of preference (moe_isa_best takes the highest the CPU runs). */
 enum moe_isa {
     MOE_ISA_GENERIC = 0, MOE_ISA_AVX2 = 1, MOE_ISA_AVXVNNI = 2, MOE_ISA_AVX512 = 3,
-    MOE_ISA_AVX512BF16 = 4, MOE_ISA_AMX = 5, MOE_ISA_COUNT = 6
+    MOE_ISA_AVX512VNNI = 4, MOE_ISA_AVX512BF16 = 5, MOE_ISA_AMX = 6, MOE_ISA_COUNT = 7
 };
 
 /* A packed weight: data in the layout above, n true output columns, k inputs. */
@@ -180,6 +181,7 @@ extern const moe_isa_ops moe_ops_generic;
 extern const moe_isa_ops moe_ops_avx2;
 extern const moe_isa_ops moe_ops_avxvnni;
 extern const moe_isa_ops moe_ops_avx512;
+extern const moe_isa_ops moe_ops_avx512vnni;
 extern const moe_isa_ops moe_ops_avx512bf16;
 extern const moe_isa_ops moe_ops_amx;
 
@@ -219,7 +221,7 @@ static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) 
 /* Dispatch (isa_dispatch.c). */
 int moe_isa_supported(int isa);
 int moe_isa_best(void);
-/* "generic", "avx2", "avxvnni", "avx512", "avx512bf16", "amx" (built or not) */
+/* "generic", "avx2", "avxvnni", "avx512", "avx512vnni", "avx512bf16", "amx" (built or not) */
 const char *moe_isa_name(int isa);
 const moe_isa_ops *moe_isa_get(int isa);
 

@@ -35,6 +35,7 @@ def fake(run: it.Run) -> tuple[int, str]:
 def test_attention_is_judged_on_avx2_and_the_default_build():
     assert it.attention_isas(["generic", "avx2", "avx512", "avx512bf16"], "avx512bf16") == ["avx2", "avx512bf16"]
     assert it.attention_isas(["generic", "avx2", "avxvnni"], "avxvnni") == ["avx2"]
+    assert it.attention_isas(["generic", "avx2", "avx512", "avx512vnni"], "avx512vnni") == ["avx2", "avx512vnni"]
     assert it.attention_isas(["generic", "avx2"], "avx2") == ["avx2"]
     assert it.attention_isas(["generic"], "generic") == []
 

@@ -14,10 +14,11 @@ Layouts are described in kernels_cy/moe_isa.h; this module builds them with torc
   biases) on its register tile. An MXFP4 expert as loaded (model/mxfp4.py) is packed from its
   codes, never widened.
 The ISA build is chosen once, at import, from CPUID (`ISA`);
-`MOE_BATCH_ISA=avx2|avxvnni|avx512|avx512bf16|amx|generic` forces one the CPU supports
-(benchmarks and tests; `avxvnni` is the AVX2 build plus the VEX vpdpbusd for int8q weights,
-`avx512bf16` the AVX-512 build plus vdpbf16ps for bf16p weights and vpdpbusd, `amx` that build
-with bf16p weights on AMX tiles), and every function takes `isa=` too.
+`MOE_BATCH_ISA=avx2|avxvnni|avx512|avx512vnni|avx512bf16|amx|generic` forces one the CPU
+supports (benchmarks and tests; `avxvnni` is the AVX2 build plus the VEX vpdpbusd for int8q
+weights, `avx512vnni` the AVX-512 build plus the EVEX vpdpbusd, `avx512bf16` that build plus
+vdpbf16ps for bf16p weights, `amx` that build with bf16p weights on AMX tiles), and every
+function takes `isa=` too.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ PAIR_STORAGES = (PAIR_STORAGE, BF16X3_STORAGE)
 # compute the same sums with vpmaddwd (same bits, no faster than int8's FMAs)
 QUAD_BYTES = 4 * NR  # bytes of a quad-row: 32 columns x 4 inputs
 # ISA builds with vpdpbusd (elsewhere int8q is emulated: no faster)
-NATIVE_INT8_DOT_ISAS = ("avxvnni", "avx512bf16", "amx")
+NATIVE_INT8_DOT_ISAS = ("avxvnni", "avx512vnni", "avx512bf16", "amx")
 # ISA builds that multiply bf16 pairs natively (elsewhere bf16p is emulated: no faster)
 NATIVE_BF16_ISAS = ("avx512bf16", "amx")
 # ISA builds that run bf16p and bf16x3 on AMX tiles (bf16x3 pays only there)
@@ -465,8 +466,8 @@ def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
     """Achieved FLOP/s of a register-blocked loop on `threads` threads (the compute roof): fp32
     FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, tdpbf16ps
     on AMX tiles on the amx build, vdpbf16ps on avx512bf16, two FMAs a pair elsewhere), or int8
-    quad dot products ("int8_dot": int8q weights' roof, vpdpbusd on avxvnni, avx512bf16 and amx,
-    vpmaddwd elsewhere; each of the four multiply-adds a lane counted as two operations)."""
+    quad dot products ("int8_dot": int8q weights' roof, vpdpbusd on avxvnni, avx512vnni,
+    avx512bf16 and amx, vpmaddwd elsewhere; each of the four multiply-adds a lane counted as two operations)."""
     import time
     _require_kernels()
     kinds = {"fma": _ext.PROBE_FMA, "bf16_dot": _ext.PROBE_BF16_DOT, "int8_dot": _ext.PROBE_I8_DOT}

@@ -12,7 +12,7 @@ reads every KV byte once for all query heads of its GQA group.
 The kernel is built once per ISA (kernels_cy/paged_attention_impl.h); the one that runs is the
 ISA the packed kernels chose at import (`moe_engine.model.packed.ISA`: CPUID, or MOE_BATCH_ISA),
 and every call takes `isa=` too. head_dim must be a multiple of that ISA's vector width (4
-generic, 8 avx2, 16 avx512 and avx512bf16).
+generic, 8 avx2 and avxvnni, 16 the AVX-512 builds).
 
 This module is the kernel only: it does not choose a fallback. When the extension is not built
 (HAS_CYTHON_KERNELS is False) or the ISA cannot run the head_dim (`kernel_unavailable` says
