@@ -523,15 +523,29 @@ static inline __attribute__((always_inline)) void micro_kernel(
                 sb = e8m0_decode(sc + 16 + s * VW);
             }
             walk_block(&sw);
+#if defined(__FMA__)
+            /* i4's (q - 8) * s as one FMA, q * s + (-8 * s): -8 * s is exact and the FMA
+             * rounds the same real number once, so the weights are bitwise those of the
+             * subtract and multiply, one operation a vector fewer (1.1-1.2x at 1-8 tokens) */
+            const vf za = sa * -8.0f, zb = sb * -8.0f;
+#endif
             for (int64_t k = g; k < g + MOE_I4_GROUP; k++) {
                 vf a, b;
                 if (s == 0) prefetch_krow(panel, k, rb);
                 load_pair(dt, panel + k * rb, s, &a, &b);
                 if (dt == MOE_W_I4) { /* q - 8; FP4 codes decode to signed values */
-                    a = a - 8.0f;
-                    b = b - 8.0f;
+#if defined(__FMA__)
+                    a = a * sa + za;
+                    b = b * sb + zb;
+#else
+                    a = (a - 8.0f) * sa;
+                    b = (b - 8.0f) * sb;
+#endif
+                } else {
+                    a = a * sa;
+                    b = b * sb;
                 }
-                fma_rows(M, x, ldx, k, a * sa, b * sb, acc, 0);
+                fma_rows(M, x, ldx, k, a, b, acc, 0);
             }
         }
         walk_end(st, &sw);
