@@ -20,11 +20,13 @@ run: $(BUILT)
 # tests, then those alone, since they assert on wall-clock time and would measure the other
 # worker's load. Whole test files go to a worker (loadfile): module fixtures run once, and
 # tests/test_workflow.py starts its runs for the tests it finds in the session, which on a
-# worker handed single tests would be every one of them. PYTEST_ARGS go to both phases.
+# worker handed single tests would be every one of them. Files go out in collection order
+# (--no-loadscope-reorder), which tests/conftest.py starts with the longest (LONGEST_FIRST).
+# PYTEST_ARGS go to both phases.
 # Exit status 5 (no test collected) counts only when neither phase had a test to run (make
 # reports it as "Error 5", which .ci/run looks for).
 test: $(BUILT)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --timing-tests=without $(PYTEST_ARGS); a=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --timing-tests=without $(PYTEST_ARGS); a=$$?; \
 	$(BIN)/python -m pytest -p no:xdist --timing-tests=only $(PYTEST_ARGS); b=$$?; \
 	echo "make test: suite on $(TEST_WORKERS) workers exited $$a, timing tests alone exited $$b"; \
 	for s in $$a $$b; do if [ $$s -ne 0 ] && [ $$s -ne 5 ]; then exit $$s; fi; done; \
