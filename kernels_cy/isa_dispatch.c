@@ -77,6 +77,31 @@ int moe_isa_supported(int isa) {
     }
 }
 
+int moe_isa_built(int isa) {
+    switch (isa) {
+        case MOE_ISA_GENERIC: return 1;
+#if defined(MOE_BUILT_AVX2)
+        case MOE_ISA_AVX2: return 1;
+#endif
+#if defined(MOE_BUILT_AVXVNNI)
+        case MOE_ISA_AVXVNNI: return 1;
+#endif
+#if defined(MOE_BUILT_AVX512)
+        case MOE_ISA_AVX512: return 1;
+#endif
+#if defined(MOE_BUILT_AVX512VNNI)
+        case MOE_ISA_AVX512VNNI: return 1;
+#endif
+#if defined(MOE_BUILT_AVX512BF16)
+        case MOE_ISA_AVX512BF16: return 1;
+#endif
+#if defined(MOE_BUILT_AMX)
+        case MOE_ISA_AMX: return 1;
+#endif
+        default: return 0;
+    }
+}
+
 int moe_isa_best(void) {
     for (int isa = MOE_ISA_COUNT - 1; isa > MOE_ISA_GENERIC; isa--)
         if (moe_isa_supported(isa)) return isa;

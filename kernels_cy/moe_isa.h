@@ -220,6 +220,8 @@ static inline int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts) 
 
 /* Dispatch (isa_dispatch.c). */
 int moe_isa_supported(int isa);
+/* Whether the compiler produced the build (setup.py leaves out what it cannot compile). */
+int moe_isa_built(int isa);
 int moe_isa_best(void);
 /* "generic", "avx2", "avxvnni", "avx512", "avx512vnni", "avx512bf16", "amx" (built or not) */
 const char *moe_isa_name(int isa);

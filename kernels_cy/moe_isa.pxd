@@ -57,6 +57,7 @@ cdef extern from "moe_isa.h" nogil:
     int64_t moe_ffn_work_floats(int64_t T, int top_k, int64_t H, int64_t I, int terms)
     int64_t moe_ffn_iwork_ints(int64_t T, int top_k, int num_experts)
     int moe_isa_supported(int isa)
+    int moe_isa_built(int isa)
     int moe_isa_best()
     const char *moe_isa_name(int isa)
     const moe_isa_ops *moe_isa_get(int isa)

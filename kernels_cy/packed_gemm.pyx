@@ -29,6 +29,11 @@ def supported_isas():
     return [isa for isa in range(MOE_ISA_COUNT) if moe_isa_supported(isa)]
 
 
+def built_isas():
+    """Codes of the ISA builds the compiler produced, whether this CPU runs them or not."""
+    return [isa for isa in range(MOE_ISA_COUNT) if moe_isa_built(isa)]
+
+
 def best_isa():
     return moe_isa_best()
 

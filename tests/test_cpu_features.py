@@ -1,6 +1,9 @@
 """cpu_features: where engine.matmul_precision=high holds bf16x3, decided from /proc/cpuinfo
-and MOE_BATCH_ISA alone, so the policy stage (no torch, no kernels) and the engine agree."""
+and MOE_BATCH_ISA alone, so the policy stage (no torch, no kernels) and the engine agree; and
+the kernel builds the dispatcher offers against the flags /proc/cpuinfo reports."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -25,3 +28,34 @@ def test_the_kernels_run_tiles_where_bf16_tiles_says_so():
     # the rule reads /proc/cpuinfo and MOE_BATCH_ISA; the kernels chose by CPUID (and the
     # OS's grant of the tile state): on a machine with an amx build the two agree
     assert bf16_tiles() == (packed.ISA in packed.TILE_ISAS)
+
+
+# What each kernel build needs of /proc/cpuinfo's flags; isa_dispatch.c asks CPUID the same.
+BUILD_FLAGS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "avxvnni": {"avx2", "fma", "f16c", "avx_vnni"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
+    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_vnni"},
+    "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_vnni",
+                   "avx512_bf16"},
+    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_vnni", "avx512_bf16",
+            "amx_tile", "amx_bf16"},
+}
+
+
+def test_the_kernels_offer_every_build_the_cpu_flags_allow_and_no_other():
+    """On whichever machine runs it (the CPU changes between machines, and a VM can hide
+    extensions, as one hid AVX512-BF16 but not VNNI): the dispatcher's CPUID checks agree with
+    the flags the OS reports, and the build chosen at import is the best one offered."""
+    packed = pytest.importorskip("moe_engine.model.packed")
+    flags = cpu_features.cpu_flags()
+    if not packed.HAS_PACKED_KERNELS or not flags:
+        pytest.skip("no kernels built, or no /proc/cpuinfo flags")
+    allowed = {isa for isa, need in BUILD_FLAGS.items() if need <= flags} | {"generic"}
+    built, offered = set(packed.built_isas()), packed.supported_isas()
+    assert set(BUILD_FLAGS) | {"generic"} >= built >= {"generic"}
+    assert set(offered) <= allowed & built
+    # amx also needs the OS to grant the process the tile state, which no flag shows
+    assert (allowed & built) - {"amx"} <= set(offered)
+    if not os.environ.get("MOE_BATCH_ISA"):
+        assert packed.ISA == offered[-1]

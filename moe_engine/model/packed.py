@@ -78,6 +78,11 @@ def supported_isas() -> list[str]:
     return [_ext.ISA_NAMES[c] for c in _ext.supported_isas()] if _ext is not None else []
 
 
+def built_isas() -> list[str]:
+    """ISA builds the compiler produced, whatever the CPU ([] when the kernels are not built)."""
+    return [_ext.ISA_NAMES[c] for c in _ext.built_isas()] if _ext is not None else []
+
+
 def _default_isa() -> Optional[str]:
     if _ext is None:
         return None
