@@ -56,15 +56,19 @@ def _compiler_accepts(flags: list[str]) -> bool:
         with open(src, "w") as f:
             if "-fopenmp" in flags:
                 f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n")
-            elif "-mavxvnni" in flags:  # as for AMX: the assembler has to know it
-                f.write("#include <immintrin.h>\nint main(int c, char **v){__m256i a = "
-                        "_mm256_set1_epi32(c); a = _mm256_dpbusd_avx_epi32(a, a, a); "
-                        "return _mm256_extract_epi32(a, 0) == 7 && v == 0;}\n")
             elif "-mamx-tile" in flags:
                 # a compiler can take -mamx-* before its assembler knows the instructions
                 # (GCC 11 with binutils < 2.36): the probe has to emit one
                 f.write("#include <immintrin.h>\nint main(int c, char **v)"
                         "{if (c > 5) _tile_release(); return v == 0;}\n")
+            elif "-mavx512vnni" in flags:  # likewise (avx512vnni, avx512bf16)
+                f.write("#include <immintrin.h>\nint main(int c, char **v){__m512i a = "
+                        "_mm512_set1_epi32(c); a = _mm512_dpbusd_epi32(a, a, a); "
+                        "return _mm_cvtsi128_si32(_mm512_castsi512_si128(a)) == 7 && v == 0;}\n")
+            elif "-mavxvnni" in flags:  # as for AMX: the assembler has to know it
+                f.write("#include <immintrin.h>\nint main(int c, char **v){__m256i a = "
+                        "_mm256_set1_epi32(c); a = _mm256_dpbusd_avx_epi32(a, a, a); "
+                        "return _mm256_extract_epi32(a, 0) == 7 && v == 0;}\n")
             else:
                 f.write("int main(void){return 0;}\n")
         result = subprocess.run([cc, *flags, src, "-o", os.path.join(tmp, "probe")],
@@ -104,7 +108,10 @@ def _extensions():
     from Cython.Build import cythonize
     import numpy
 
-    base_args = ["-O3", "-fno-math-errno"]
+    # -ffp-contract=fast is GCC's default in GNU C, but a -std=c11 in the user's CFLAGS turns it
+    # off: the kernels' a * b + c are meant as single FMAs (their FMA chains, int4's (q - 8) * s
+    # as q * s + -8s), and their bitwise results across builds rest on it
+    base_args = ["-O3", "-fno-math-errno", "-ffp-contract=fast"]
     link_args: list[str] = []
     use_openmp = os.environ.get("MOE_BATCH_NO_OPENMP") != "1" and _compiler_accepts(["-fopenmp"])
     if use_openmp:

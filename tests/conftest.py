@@ -18,7 +18,7 @@ def pytest_addoption(parser):
 
 
 # The test files that take longest, longest first (seconds of one worker, Zen 4, 2026-11-29:
-# 147, 93, 83, 81, 75, 66, 54, 54, 50, 37, 38). `make test` hands whole files to two workers in
+# 147, 93, 83, 81, 75, 66, 54, 54, 50, 38, 37). `make test` hands whole files to two workers in
 # collection order (--no-loadscope-reorder; xdist's own order, by number of tests, sent the
 # one-test files of a minute each last, and a worker ran them alone at the end), so these
 # start first and the many short files fill in around them. A file missing here only runs later.

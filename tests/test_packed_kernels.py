@@ -342,21 +342,36 @@ def test_a_long_input_is_walked_in_k_blocks_with_the_same_results(isa, storage):
         assert torch.equal(out[r], alone[0])
 
 
-@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3", "int8q"])
+@pytest.mark.parametrize("storage", ["bf16", "bf16p", "bf16x3", "int8q", "int4", "mxfp4"])
 def test_fma_isas_agree_bitwise(storage):
     # AVX512BF16 and AMX run bf16 weights with the AVX-512 code: they join the comparison;
     # bf16p and bf16x3 run there on vdpbf16ps / AMX tiles (compared with a tolerance below), on
     # the others as FMAs; int8q's integer sums are the same whichever instruction (vpdpbusd
-    # or vpmaddwd) and so are its FMA SwiGLUs
+    # or vpmaddwd) and so are its FMA SwiGLUs; int4 and mxfp4 scale their codes the same way
+    # on every FMA build
     fma = [isa for isa in ISAS if isa != "generic" and not (
         storage in packed.PAIR_STORAGES and isa in packed.NATIVE_BF16_ISAS)]
     if len(fma) < 2:
         pytest.skip("one FMA-capable ISA build on this CPU")
     torch.manual_seed(1)
-    _, _, experts = _experts(4, 64, 48, storage)
+    _, _, experts = _experts(4, 64, 64 if storage in ("int4", "mxfp4") else 48, storage)
     h, idx, wts = torch.randn(33, 64), torch.randint(0, 4, (33, 1)), torch.rand(33, 1)
     outs = [packed.packed_moe_ffn(experts, h, wts, idx, isa=isa) for isa in fma]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_weights_are_exactly_their_codes_times_their_group_scales(isa):
+    """Unit rows read the dequantized weights out one by one: (q - 8) * s rounded once in
+    fp32, which the FMA builds compute as q * s + (-8 * s) in one FMA (the same value, if the
+    compiler fuses it: setup.py asks for -ffp-contract=fast)."""
+    torch.manual_seed(3)
+    n, k = 40, 96
+    w = torch.randn(n, k) * torch.logspace(-3, 2, n)[:, None]
+    q, scale = packed._quantize(w, "int4")
+    expected = (q.float() - 8.0) * scale.repeat_interleave(packed.I4_GROUP, dim=1)
+    out = packed.packed_linear(torch.eye(k), packed.pack_linear(w, "int4"), isa=isa)
+    assert torch.equal(out.T, expected)
 
 
 NATIVE_BF16 = [isa for isa in packed.NATIVE_BF16_ISAS if isa in ISAS]
