@@ -555,20 +555,23 @@ def test_a_failed_calibration_run_keeps_factor_one_and_is_not_retried(tiny_profi
     assert engine_calibrated({"device": "cuda"}, model) and not engine_calibrated({}, model)
 
 
-def test_a_calibration_row_refused_by_the_old_default_engine_is_measured_again(tiny_mixtral_dir):
-    """Rows written when the calibration ran a default engine only (which refused medium's and
-    quantized storages: factor 1, and the tiny model's medium runs reported 53-80% over the
-    engine) do not count as calibrated; other rows with an error still do (not retried)."""
-    from moe_engine.perf.hardware import CALIBRATION_KEY, engine_calibrated
+def test_a_calibration_row_refused_under_an_older_method_is_measured_again(tiny_mixtral_dir):
+    """Rows that refused or failed under an older calibration method (method 1 ran a default
+    engine only, which refused medium's and quantized storages: factor 1, and the tiny model's
+    medium runs reported 53-80% over the engine) do not count as calibrated; under the current
+    method a row with an error still does (not retried), and so does any measured row."""
+    from moe_engine.perf.hardware import CALIBRATION_KEY, CALIBRATION_METHOD, engine_calibrated
     from moe_engine.perf.specs import ENGINE_COMPONENTS, layer_layout
 
     model = ModelSpec.from_hf_config(tiny_mixtral_dir).with_expert_storage("int8q")
     row = {"layout": layer_layout(model), **dict.fromkeys(ENGINE_COMPONENTS, 1.0)}
     stale = {**row, "error": "CalibrationSkipped: a default engine holds the experts as None, "
                              "the model prices them as int8q"}
-    failed = {**row, "error": "RuntimeError: cannot load"}
+    failed = {**row, "error": "RuntimeError: cannot load", "method": CALIBRATION_METHOD}
     host = {"host_memory_gb": 24}
     assert not engine_calibrated({**host, CALIBRATION_KEY: []}, model)
     assert not engine_calibrated({**host, CALIBRATION_KEY: [stale]}, model)
+    assert not engine_calibrated({**host, CALIBRATION_KEY: [{**stale, "method": 1}]}, model)
+    assert engine_calibrated({**host, CALIBRATION_KEY: [{**stale, "method": CALIBRATION_METHOD}]}, model)
     assert engine_calibrated({**host, CALIBRATION_KEY: [failed]}, model)
-    assert engine_calibrated({**host, CALIBRATION_KEY: [row]}, model)
+    assert engine_calibrated({**host, CALIBRATION_KEY: [row]}, model)  # measured: no method needed

@@ -294,17 +294,26 @@ def profile_host_memory(data: Mapping[str, Any]) -> float:
     return float(data.get("host_memory_gb") or total_memory_bytes() / GB) * GB
 
 
-# What a calibration row said when the profiler ran a default engine only, which refused
-# every held storage (medium's, int8 experts, ...): such a row is measured again now that the
-# run holds what the model prices (profile_engine.engine_knobs).
-_STALE_SKIP = "a default engine holds the experts"
+# The calibration run's method, written into each calibration row ("method"; rows without one
+# are method 1): a row that refused or failed (its "error") under an older method is measured
+# again, once, since what the run can measure has grown; under the current method it stands
+# (the job itself meets the same checkpoint). 2: the run holds the storage the model prices
+# (profile_engine.engine_knobs), where method 1 ran a default engine, which refused every held
+# storage (medium's, quantized experts, ...) and left them at factor 1.
+CALIBRATION_METHOD = 2
+
+
+def calibration_outdated(row: Mapping[str, Any]) -> bool:
+    """Whether a calibration row refused or failed under an older CALIBRATION_METHOD."""
+    return bool(row.get("error")) and int(row.get("method", 1)) < CALIBRATION_METHOD
 
 
 def engine_calibrated(data: Mapping[str, Any], m: ModelSpec) -> bool:
-    """Whether a profile has the in-run factors of m's layout, or m gets none (a CUDA machine's
-    profile: the run calibrates the CPU backend's parts; not yet measured on the device's)."""
+    """Whether a profile has the in-run factors of m's layout (a row not calibration_outdated),
+    or m gets none (a CUDA machine's profile: the run calibrates the CPU backend's parts; not
+    yet measured on the device's)."""
     return (data.get("device", "cpu") != "cpu" or not calibration_applies(m, profile_host_memory(data))
-            or any(r["layout"] == layer_layout(m) and _STALE_SKIP not in str(r.get("error", ""))
+            or any(r["layout"] == layer_layout(m) and not calibration_outdated(r)
                    for r in data.get(CALIBRATION_KEY) or ()))
 
 

@@ -32,7 +32,7 @@ from moe_engine.host_alloc import huge_page_zeros, tune_host_allocator
 from moe_engine.io import default_cache_dir, exclusive_lock, hardware_cache_dir, write_text_atomic
 
 # gemm_shapes is re-exported: callers import it from here.
-from moe_engine.perf.hardware import (CALIBRATION_KEY, HOST_KEYS, LAYOUT_KEYS, calibration_applies, engine_calibrated,
+from moe_engine.perf.hardware import (CALIBRATION_KEY, CALIBRATION_METHOD, HOST_KEYS, LAYOUT_KEYS, calibration_applies, engine_calibrated,
                                       gemm_shapes, gemm_storage_of, gemms_covered, layer_ops_profiled, layouts_missing,
                                       load_profile, profile_host_memory, machine_fingerprint, profile_covers, profile_mode_serves,
                                       total_memory_bytes)
@@ -517,9 +517,10 @@ def calibrate(data: dict[str, Any], models: list[tuple[ModelSpec, Optional[Path]
 
 
 def _set_calibration(data: dict[str, Any], row: dict[str, Any]) -> None:
-    """`row` as its layout's in-run factors in `data`, replacing an earlier one."""
+    """`row` as its layout's in-run factors in `data`, under the current CALIBRATION_METHOD,
+    replacing an earlier one."""
     data[CALIBRATION_KEY] = ([r for r in data.get(CALIBRATION_KEY) or () if r["layout"] != row["layout"]]
-                             + [row])
+                             + [{**row, "method": CALIBRATION_METHOD}])
 
 
 def _ensure_figures(path: Path, model: ModelSpec | None, fast: bool) -> dict[str, Any]:
