@@ -210,6 +210,20 @@ def test_high_without_amx_tiles_runs_as_highest(tiny_mixtral_dir, monkeypatch, c
     assert torch.equal(high, run("highest")[1])
 
 
+def test_medium_names_each_product_the_build_emulates(tiny_mixtral_dir, monkeypatch, caplog):
+    """int8 experts under medium on a bf16 model hold bf16 pairs and int8 quads at once: a
+    build with neither vdpbf16ps nor vpdpbusd says so of both (it said only the first)."""
+    bare = next(isa for isa in ("avx2", "generic") if isa in packed.supported_isas())
+    monkeypatch.setattr(packed, "ISA", bare)
+    with caplog.at_level("WARNING", logger="moe_engine.engine.llm_engine"):
+        engine = LLMEngine(tiny_mixtral_dir, EngineConfig(
+            threads=2, kv_cache_gb=0.02, matmul_precision="medium", expert_dtype=ExpertDType.int8),
+            dtype="bfloat16")
+    assert "weights bf16p, experts int8q" in engine.gemm_path
+    assert f"on the {bare} kernel build, which has no vdpbf16ps" in caplog.text
+    assert f"on int8 experts on the {bare} kernel build, which has no vpdpbusd" in caplog.text
+
+
 def test_packed_gemm_on_cuda_is_a_config_error():
     from moe_engine.config import ConfigError, compose
 

@@ -97,15 +97,18 @@ class LLMEngine:
                             "experts %s (medium applies to bf16 and fp32 weights and int8 "
                             "experts, high to bf16)",
                             precision, self.weight_storage, self.expert_storage)
-            elif packed.PAIR_STORAGE in held and packed.ISA not in packed.NATIVE_BF16_ISAS:
+            # each held storage the build emulates says so (medium can hold bf16 pairs and
+            # int8 quads at once, and a build can lack either instruction)
+            if packed.PAIR_STORAGE in held and packed.ISA not in packed.NATIVE_BF16_ISAS:
                 log.warning("engine.matmul_precision=medium on the %s kernel build, which has "
                             "no vdpbf16ps: the bf16 products run as fp32 FMAs (the same "
                             "results, no faster than highest)", packed.ISA)
-            elif packed.QUAD_STORAGE in held and packed.ISA not in packed.NATIVE_INT8_DOT_ISAS:
+            if packed.QUAD_STORAGE in held and packed.ISA not in packed.NATIVE_INT8_DOT_ISAS:
                 log.warning("engine.matmul_precision=medium on int8 experts on the %s kernel "
-                            "build, which has no vpdpbusd (AVX512-VNNI): the int8 products run "
-                            "as vpmaddwd (the same results, no faster than highest)", packed.ISA)
-            elif packed.BF16X3_STORAGE in held and packed.ISA not in packed.TILE_ISAS:
+                            "build, which has no vpdpbusd (AVX512-VNNI or AVX-VNNI): the int8 "
+                            "products run as vpmaddwd (the same results, no faster than "
+                            "highest)", packed.ISA)
+            if packed.BF16X3_STORAGE in held and packed.ISA not in packed.TILE_ISAS:
                 log.warning("engine.matmul_precision=high: the CPU has AMX tiles but the %s "
                             "kernel build runs (built without them, or the OS refused the "
                             "tile state): bf16x3's three bf16 products a weight are emulated "
