@@ -77,31 +77,6 @@ int moe_isa_supported(int isa) {
     }
 }
 
-int moe_isa_built(int isa) {
-    switch (isa) {
-        case MOE_ISA_GENERIC: return 1;
-#if defined(MOE_BUILT_AVX2)
-        case MOE_ISA_AVX2: return 1;
-#endif
-#if defined(MOE_BUILT_AVXVNNI)
-        case MOE_ISA_AVXVNNI: return 1;
-#endif
-#if defined(MOE_BUILT_AVX512)
-        case MOE_ISA_AVX512: return 1;
-#endif
-#if defined(MOE_BUILT_AVX512VNNI)
-        case MOE_ISA_AVX512VNNI: return 1;
-#endif
-#if defined(MOE_BUILT_AVX512BF16)
-        case MOE_ISA_AVX512BF16: return 1;
-#endif
-#if defined(MOE_BUILT_AMX)
-        case MOE_ISA_AMX: return 1;
-#endif
-        default: return 0;
-    }
-}
-
 int moe_isa_best(void) {
     for (int isa = MOE_ISA_COUNT - 1; isa > MOE_ISA_GENERIC; isa--)
         if (moe_isa_supported(isa)) return isa;
@@ -114,9 +89,11 @@ const char *moe_isa_name(int isa) {
     return isa >= 0 && isa < MOE_ISA_COUNT ? names[isa] : "unknown";
 }
 
-const moe_isa_ops *moe_isa_get(int isa) {
-    if (!moe_isa_supported(isa)) return NULL;
+/* The table of a build the compiler produced, whether this CPU runs it or not; NULL for one
+ * it left out (setup.py). */
+static const moe_isa_ops *built_ops(int isa) {
     switch (isa) {
+        case MOE_ISA_GENERIC: return &moe_ops_generic;
 #if defined(MOE_BUILT_AVX2)
         case MOE_ISA_AVX2: return &moe_ops_avx2;
 #endif
@@ -135,6 +112,12 @@ const moe_isa_ops *moe_isa_get(int isa) {
 #if defined(MOE_BUILT_AMX)
         case MOE_ISA_AMX: return &moe_ops_amx;
 #endif
-        default: return &moe_ops_generic;
+        default: return NULL;
     }
+}
+
+int moe_isa_built(int isa) { return built_ops(isa) != NULL; }
+
+const moe_isa_ops *moe_isa_get(int isa) {
+    return moe_isa_supported(isa) ? built_ops(isa) : NULL;
 }

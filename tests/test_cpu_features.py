@@ -32,18 +32,18 @@ def test_the_kernels_run_tiles_where_bf16_tiles_says_so():
 
 
 # What each kernel build needs of /proc/cpuinfo's flags; isa_dispatch.c asks CPUID the same.
+_AVX2 = {"avx2", "fma", "f16c"}
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}
 BUILD_FLAGS = {
-    "avx2": {"avx2", "fma", "f16c"},
-    "avxvnni": {"avx2", "fma", "f16c", "avx_vnni"},
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
-    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_vnni"},
-    "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_vnni",
-                   "avx512_bf16"},
-    "amx": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_vnni", "avx512_bf16",
-            "amx_tile", "amx_bf16"},
+    "avx2": _AVX2,
+    "avxvnni": _AVX2 | {"avx_vnni"},
+    "avx512": _AVX512,
+    "avx512vnni": _AVX512 | {"avx512_vnni"},
+    "avx512bf16": _AVX512 | {"avx512_vnni", "avx512_bf16"},
+    "amx": _AVX512 | {"avx512_vnni", "avx512_bf16", *cpu_features.TILE_FLAGS},
 }
 # The flags among them that Linux named late (5.3 to 5.16)
-LATE_FLAGS = {"avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16"}
+LATE_FLAGS = {"avx512_bf16", "avx_vnni", *cpu_features.TILE_FLAGS}
 
 
 def test_the_kernels_offer_every_build_the_cpu_flags_allow_and_no_other():
