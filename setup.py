@@ -35,16 +35,17 @@ ISA_BUILDS = [
     # with AVX512-BF16 has AVX512-VNNI): bf16p and i8q weights only; dropped where the
     # compiler lacks -mavx512bf16 (GCC < 10)
     ("isa_avx512bf16.c", AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni"], "MOE_BUILT_AVX512BF16"),
-    # AVX512-BF16 plus AMX tiles (Sapphire Rapids on) for bf16p weights; dropped where the
-    # compiler lacks -mamx-bf16 (GCC < 11)
-    ("isa_amx.c", AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
+    # AVX512-BF16 plus AMX tiles (Sapphire Rapids on) for bf16p, bf16x3 (tdpbf16ps) and i8q
+    # (tdpbusd) weights; dropped where the compiler lacks -mamx-bf16 or -mamx-int8 (GCC < 11)
+    ("isa_amx.c", AVX512_FLAGS + ["-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16",
+                                  "-mamx-int8"],
      "MOE_BUILT_AMX"),
 ]
 # Extensions that link the ISA builds and the dispatcher.
 ISA_EXTENSIONS = {"packed_gemm", "paged_attention"}
 # Headers the ISA builds include: a change rebuilds them.
 ISA_HEADERS = ["moe_isa.h", "isa_vec.h", "isa_ops_table.h", "packed_gemm_impl.h",
-               "paged_attention_impl.h", "amx_bf16p.h"]
+               "paged_attention_impl.h", "amx_tiles.h"]
 
 
 def _compiler_accepts(flags: list[str]) -> bool:
@@ -58,9 +59,10 @@ def _compiler_accepts(flags: list[str]) -> bool:
                 f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() < 1;}\n")
             elif "-mamx-tile" in flags:
                 # a compiler can take -mamx-* before its assembler knows the instructions
-                # (GCC 11 with binutils < 2.36): the probe has to emit one
+                # (GCC 11 with binutils < 2.36): the probe has to emit them
                 f.write("#include <immintrin.h>\nint main(int c, char **v)"
-                        "{if (c > 5) _tile_release(); return v == 0;}\n")
+                        "{if (c > 5) {_tile_dpbf16ps(0, 1, 2); _tile_dpbusd(3, 4, 5);"
+                        " _tile_release();} return v == 0;}\n")
             elif "-mavx512vnni" in flags:  # likewise (avx512vnni, avx512bf16)
                 f.write("#include <immintrin.h>\nint main(int c, char **v){__m512i a = "
                         "_mm512_set1_epi32(c); a = _mm512_dpbusd_epi32(a, a, a); "

@@ -1,6 +1,7 @@
-/* AMX build (Sapphire Rapids on): the AVX512-BF16 build (isa_avx512bf16.c) with bf16p weights
- * (engine.matmul_precision=medium) on AMX tiles, tdpbf16ps doing 16 x 16 x 32 multiply-adds an
- * instruction (amx_bf16p.h). Every other path is the AVX-512 code. */
+/* AMX build (Sapphire Rapids on): the AVX512-BF16 build (isa_avx512bf16.c) with bf16p and
+ * bf16x3 weights (engine.matmul_precision=medium, high) on AMX tiles, tdpbf16ps doing 16 x 16 x
+ * 32 multiply-adds an instruction, and i8q weights (int8 experts under medium) on them too,
+ * tdpbusd doing 16 x 16 x 64 (amx_tiles.h). Every other path is the AVX-512 code. */
 #define MOE_VW 16
 #define MOE_MR 8
 #define MOE_ATTN_TILE 8

@@ -14,7 +14,8 @@
 #endif
 
 #if defined(MOE_BUILT_AMX)
-/* Whether AMX tiles with bf16 products can run: CPUID says AMX-TILE and AMX-BF16, and Linux
+/* Whether AMX tiles with bf16 and int8 products can run: CPUID says AMX-TILE, AMX-BF16 and
+ * AMX-INT8 (every AMX CPU so far has all three: Sapphire Rapids on), and Linux
  * grants the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 on; the
  * first tile instruction faults without it). The grant is for the whole process and for good,
  * so the answer is asked once and kept: the syscall is not made on every kernel call. */
@@ -24,7 +25,8 @@ static int amx_usable(void) {
         int ok = 0;
 #if defined(__linux__)
         unsigned a, b, c, d;
-        if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1)) {
+        if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1) &&
+            (d >> 25 & 1)) {
             const long arch_req_xcomp_perm = 0x1023, xfeature_xtiledata = 18;
             ok = syscall(SYS_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0;
         }

@@ -86,7 +86,8 @@ typedef struct {
     float alpha, limit; /* MOE_GLU_CLAMPED only */
 } moe_glu;
 /* AVX512BF16: the AVX-512 build plus vdpbf16ps for bf16p weights (every other path as AVX512).
- * AMX: AVX512BF16 with bf16p weights on AMX tiles (tdpbf16ps; amx_bf16p.h). */
+ * AMX: AVX512BF16 with bf16p and bf16x3 weights on AMX tiles (tdpbf16ps), and i8q weights too
+ * (tdpbusd; amx_tiles.h). */
 /* AVXVNNI: the AVX2 build plus the VEX vpdpbusd for i8q weights (every other path as AVX2).
  * AVX512VNNI: the AVX-512 build plus the EVEX vpdpbusd for i8q weights (likewise).
  * The codes are in order of preference (moe_isa_best takes the highest the CPU runs). */
@@ -158,8 +159,8 @@ typedef struct {
      * bf16 pair dot products (MOE_PROBE_BF16_DOT: vdpbf16ps, two multiply-adds a lane, where
      * the build has it; elsewhere the two FMAs bf16p weights cost; on the amx build four
      * tdpbf16ps on tiles) or of int8 quad dot products (MOE_PROBE_I8_DOT: vpdpbusd, four
-     * multiply-adds a lane, where the build has it; elsewhere i8q's vpmaddwd); returns a
-     * checksum. */
+     * multiply-adds a lane, where the build has it; elsewhere i8q's vpmaddwd; on the amx build
+     * four tdpbusd on tiles); returns a checksum. */
     double (*fma_probe)(int64_t n, int nthreads, int kind);
     /* FLOPs one iteration of fma_probe(kind) does on one thread. */
     int64_t (*probe_flops)(int kind);

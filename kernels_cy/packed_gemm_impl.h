@@ -812,8 +812,8 @@ MOE_TILE_FN(tile_f16, MOE_W_F16)
 MOE_TILE_FN(tile_i8, MOE_W_I8)
 MOE_TILE_FN(tile_i4, MOE_W_I4)
 MOE_TILE_FN(tile_fp4, MOE_W_FP4)
+#if !defined(MOE_AMX) /* the amx build takes bf16p, bf16x3 and i8q on tiles (amx_tiles.h) */
 MOE_TILE_FN(tile_i8q, MOE_W_I8Q)
-#if !defined(MOE_AMX) /* the amx build takes bf16p and bf16x3 on tiles (amx_bf16p.h) */
 MOE_TILE_FN(tile_bf16p, MOE_W_BF16P)
 MOE_TILE_FN(tile_bf16x3, MOE_W_BF16X3)
 #endif
@@ -822,33 +822,43 @@ typedef void (*tile_fn)(int, const float *, int64_t, int64_t, const char *, cons
                         const epilogue *, int);
 
 #if defined(MOE_AMX)
-#include "amx_bf16p.h"
+#include "amx_tiles.h"
 #endif
 
-/* Token rows one tile call takes: AMX_ROWS for bf16p and bf16x3 on AMX tiles, MR in
- * registers. */
+/* Whether GEMMs on weights of dtype dt run on AMX tiles: bf16p, bf16x3 and i8q in the amx
+ * build, none elsewhere. */
+static inline int on_tiles(int dt) {
+#if defined(MOE_AMX)
+    return moe_pair_terms(dt) || dt == MOE_W_I8Q;
+#else
+    (void)dt;
+    return 0;
+#endif
+}
+
+/* Token rows one tile call takes: AMX_ROWS on AMX tiles, MR in registers. */
 static inline int tile_rows(int dt) {
 #if defined(MOE_AMX)
-    if (moe_pair_terms(dt)) return AMX_ROWS;
+    if (on_tiles(dt)) return AMX_ROWS;
 #endif
-    (void)dt;
     return MR;
 }
 
-/* Sets up (and, at the end, releases) the calling thread's AMX tiles when `bf16p` (or bf16x3)
- * weights run on them; nothing on the other builds. Called by every thread of a parallel region. */
-static inline void tiles_begin(int bf16p) {
+/* Sets up (and, at the end, releases) the calling thread's AMX tiles when `tiles` (on_tiles of
+ * a GEMM's weights it runs); nothing on the other builds. Called by every thread of a parallel
+ * region. */
+static inline void tiles_begin(int tiles) {
 #if defined(MOE_AMX)
-    if (bf16p) amx_tiles_begin();
+    if (tiles) amx_tiles_begin();
 #endif
-    (void)bf16p;
+    (void)tiles;
 }
 
-static inline void tiles_end(int bf16p) {
+static inline void tiles_end(int tiles) {
 #if defined(MOE_AMX)
-    if (bf16p) amx_tiles_end();
+    if (tiles) amx_tiles_end();
 #endif
-    (void)bf16p;
+    (void)tiles;
 }
 
 static tile_fn tile_for(int dt) {
@@ -858,11 +868,12 @@ static tile_fn tile_for(int dt) {
         case MOE_W_I8: return tile_i8;
         case MOE_W_I4: return tile_i4;
         case MOE_W_FP4: return tile_fp4;
-        case MOE_W_I8Q: return tile_i8q;
 #if defined(MOE_AMX)
+        case MOE_W_I8Q: return tile_i8q_amx;
         case MOE_W_BF16P: return tile_bf16p_amx;
         case MOE_W_BF16X3: return tile_bf16x3_amx;
 #else
+        case MOE_W_I8Q: return tile_i8q;
         case MOE_W_BF16P: return tile_bf16p;
         case MOE_W_BF16X3: return tile_bf16x3;
 #endif
@@ -950,9 +961,9 @@ static inline gemm_plan plan_gemm(const moe_packed *w, int64_t rows, int nthread
     const int64_t P = num_panels(w), chunks = (rows + g.tc - 1) / g.tc;
     /* the part buffer holds an item's rows (in whole tiles) for each panel of its group */
     const int64_t per_panel = (g.tc + g.mr - 1) / g.mr * g.mr * MOE_NR * (int64_t)sizeof(float);
-    /* bf16 pairs (the AVX512-BF16 and AMX builds' storage, whose decode is compute-bound;
-     * AMX tiles take no stream) do not stream */
-    g.stream = rows <= STREAM_ROWS && !moe_pair_terms(w->dtype);
+    /* bf16 pairs (the AVX512-BF16 and AMX builds' storage, whose decode is compute-bound)
+     * and AMX tiles (their steps prefetch the panel themselves) do not stream */
+    g.stream = rows <= STREAM_ROWS && !moe_pair_terms(w->dtype) && !on_tiles(w->dtype);
     if (g.kb < k) {
         g.group = PART_BYTES / per_panel;
     } else if (g.stream) { /* as long as ~4 items a thread remain to balance */
@@ -1052,7 +1063,7 @@ static void run_item(const gemm_plan *g, const moe_packed *w, int64_t rows, int6
 static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed *w,
                        const float *bias, int act, float *y, int64_t ldy, int nthreads) {
     if (w->dtype == MOE_W_I8Q && w->k > MOE_I8Q_MAX_K) return -4; /* int32 sums would overflow */
-    const int terms = moe_pair_terms(w->dtype), bf16p = terms > 0;
+    const int terms = moe_pair_terms(w->dtype), tiles = on_tiles(w->dtype);
     const int form = act_form(w->dtype);
     const int64_t P = num_panels(w);
     const int parallel = nthreads > 1 && T * w->n * w->k >= SMALL_WORK;
@@ -1087,11 +1098,11 @@ static int linear_impl(const float *x, int64_t ldx, int64_t T, const moe_packed 
     {
     /* k-blocked plans: the thread's buffer of raw sums (without it, k is walked whole) */
     float *part = g.kb < w->k ? (float *)malloc(PART_BYTES) : NULL;
-    tiles_begin(bf16p);
+    tiles_begin(tiles);
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < g.items; it++)
         run_item(&g, w, T, it, x, ldx, &base, MOE_NR, w->n, part);
-    tiles_end(bf16p);
+    tiles_end(tiles);
     free(part);
     }
     free(pairs);
@@ -1111,8 +1122,10 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     int64_t I = 0;
     /* the forms of w13 / w2's activations (act_form; -1: no expert yet) */
     int form13 = -1, form2 = -1;
+    int tiles = 0; /* a GEMM runs on AMX tiles (on_tiles) */
     for (int e = 0; e < E; e++) {
         if (!experts[e].w13.data) continue;
+        tiles |= on_tiles(experts[e].w13.dtype) | on_tiles(experts[e].w2.dtype);
         const int p13 = act_form(experts[e].w13.dtype), p2 = act_form(experts[e].w2.dtype);
         if ((p13 == ACT_Q8 && experts[e].w13.k > MOE_I8Q_MAX_K) ||
             (p2 == ACT_Q8 && experts[e].w2.k > MOE_I8Q_MAX_K))
@@ -1153,8 +1166,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     float *xg = work, *act = xg + (rows + MOE_PAD_ROWS) * ldh,
           *slots = act + (rows + MOE_PAD_ROWS) * ldi;
     const int parallel = nthreads > 1 && rows * H * I >= SMALL_WORK, team = parallel ? nthreads : 1;
-    const int bf16p = pairs13 > 0 || pairs2 > 0;
-    if (bf16p) { /* the spare rows AMX tiles read past the last expert's: zeros, not whatever
+    if (tiles) { /* the spare rows AMX tiles read past the last expert's: zeros, not whatever
                   * the caller's scratch held (their products are never stored either way) */
         memset(xg + rows * ldh, 0, sizeof(float) * (size_t)(MOE_PAD_ROWS * ldh));
         memset(act + rows * ldi, 0, sizeof(float) * (size_t)(MOE_PAD_ROWS * ldi));
@@ -1173,7 +1185,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
     {
         /* the thread's (without it, k is walked whole, with the same results) */
         float *part = blocked ? (float *)malloc(PART_BYTES) : NULL;
-        tiles_begin(bf16p);
+        tiles_begin(tiles);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows; i++) {
             const float *src = x + (by_expert[i] / top_k) * H;
@@ -1221,7 +1233,7 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
                 run_item(&g, w, n, it, ae, ldi, &base, MOE_NR, H, part);
         }
 #pragma omp barrier
-        tiles_end(bf16p);
+        tiles_end(tiles);
         free(part);
         /* each token's slots summed in slot order: fixed whatever the batch */
 #pragma omp for schedule(static)
@@ -1242,7 +1254,8 @@ static int moe_ffn_impl(const float *x, int64_t T, int64_t H, const int64_t *idx
  * (vdpbf16ps where the build has it, else the two FMAs per pair the bf16p micro-kernel does). */
 static double fma_probe_impl(int64_t n, int nthreads, int kind) {
 #if defined(MOE_AMX)
-    if (kind == MOE_PROBE_BF16_DOT) return amx_probe(n, nthreads);
+    if (kind == MOE_PROBE_BF16_DOT || kind == MOE_PROBE_I8_DOT)
+        return amx_probe(n, nthreads, kind == MOE_PROBE_I8_DOT);
 #endif
     double total = 0.0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
@@ -1305,7 +1318,8 @@ static double fma_probe_impl(int64_t n, int nthreads, int kind) {
 /* FLOPs one iteration of the probe does on one thread (moe_isa_ops.probe_flops). */
 static int64_t probe_flops_impl(int kind) {
 #if defined(MOE_AMX)
-    if (kind == MOE_PROBE_BF16_DOT) return AMX_PROBE_FLOPS;
+    if (kind == MOE_PROBE_BF16_DOT || kind == MOE_PROBE_I8_DOT)
+        return amx_probe_flops(kind == MOE_PROBE_I8_DOT);
 #endif
     return (int64_t)12 * VW * (kind == MOE_PROBE_I8_DOT ? 8 : kind == MOE_PROBE_BF16_DOT ? 4 : 2);
 }

@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional
 
-# The flags that say the CPU has AMX tiles with bf16 products (Linux lists them only when the
-# kernel supports the tile state).
-TILE_FLAGS = ("amx_tile", "amx_bf16")
+# The flags that say the CPU has AMX tiles with bf16 and int8 products, which the amx build
+# requires (Linux lists them only when the kernel supports the tile state).
+TILE_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")
 # The packed kernels' ISA build that runs bf16 pair GEMMs on those tiles.
 TILE_ISA = "amx"
 

@@ -13,13 +13,16 @@ from moe_engine.cpu_features import bf16_tiles
 
 
 def test_bf16_tiles_need_the_cpu_flags_and_no_other_forced_build(monkeypatch):
-    monkeypatch.setattr(cpu_features, "cpu_flags",
-                        lambda: frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
+    tiles = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(tiles))
     assert bf16_tiles({}) and bf16_tiles({"MOE_BATCH_ISA": "amx"})
     assert not bf16_tiles({"MOE_BATCH_ISA": "avx512"})
     assert not bf16_tiles({"MOE_BATCH_ISA": "avx512bf16"})
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma", "amx_tile"}))
     assert not bf16_tiles({}) and not bf16_tiles({"MOE_BATCH_ISA": "amx"})
+    # the amx build needs int8 tiles too (i8q runs on them): without them it is not offered
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(tiles - {"amx_int8"}))
+    assert not bf16_tiles({})
 
 
 def test_the_kernels_run_tiles_where_bf16_tiles_says_so():

@@ -1,4 +1,5 @@
-/* AMX tiles for bf16p weights (the amx build; engine.matmul_precision=medium), included by
+/* AMX tiles for bf16p and bf16x3 weights (engine.matmul_precision=medium and high; tdpbf16ps)
+ * and for i8q weights (int8 experts under medium; tdpbusd): the amx build, included by
  * packed_gemm_impl.h when MOE_AMX is defined.
  *
  * A bf16p panel is already in the layout AMX's tdpbf16ps takes for its second operand: pair-row
@@ -7,7 +8,10 @@
  * 16-31 the tile 64 bytes further. The activations, rounded to bf16 pairs as every build rounds
  * them, are the first operand as they lie (a row's 16 pair words, at the row stride). One
  * tdpbf16ps does 16 x 16 x 32 multiply-adds, so the weights are never widened and a step's
- * compute is ~8x AVX512-BF16's.
+ * compute is ~8x AVX512-BF16's. An i8q panel is the same for tdpbusd: quad-row j holds column
+ * c's signed codes of inputs 4j..4j+3 in word c (16 quad-rows, 64 inputs, a tile), and the
+ * activations' unsigned bytes q + 128 are the first operand; one tdpbusd does 16 x 16 x 64
+ * multiply-adds into exact int32 sums, so its results are bitwise vpdpbusd's and vpmaddwd's.
  *
  * Tiles, configured once per thread and call (amx_tiles_begin) and all 16 rows x 64 bytes:
  * 0-3 the accumulators of (row tile r, column half h) = tile 2r + h, 4-5 the activations of the
@@ -15,12 +19,13 @@
  * activation rows: the rows past m compute on whatever follows the caller's rows (callers leave
  * MOE_PAD_ROWS readable rows after their buffers) and are never stored. Each row is still
  * computed from its own activations alone, so a row's result does not depend on its batch; the
- * pairs past the last whole tile (k/2 not a multiple of 16) are added after the tiles, in
- * order, by vdpbf16ps. tdpbf16ps sums its 32 products with its own rounding and flushes
- * subnormals: results differ from the FMA builds' by about an ulp of the sums (as vdpbf16ps's).
+ * pairs (quads) past the last whole tile (k/2 or k/4 not a multiple of 16) are added after the
+ * tiles, in order, by vdpbf16ps (vpdpbusd). tdpbf16ps sums its 32 products with its own
+ * rounding and flushes subnormals: results differ from the FMA builds' by about an ulp of the
+ * sums (as vdpbf16ps's).
  */
-#ifndef MOE_AMX_BF16P_H
-#define MOE_AMX_BF16P_H
+#ifndef MOE_AMX_TILES_H
+#define MOE_AMX_TILES_H
 
 #include <immintrin.h>
 
@@ -77,12 +82,15 @@ static inline void amx_start_acc(int two, const epilogue *ep, int row0) {
     }
 }
 
-/* The end of a tile call: the accumulators stored, the pairs past the last whole step
- * (whole of k2) added by vdpbf16ps, in order, each pair's `terms` planes (ldt words apart) in
- * turn, and the rows through the epilogue. */
-static inline void amx_finish(int m, const float *x, int64_t ldx, int64_t ldt, int terms,
-                              int64_t k2, int64_t whole, const char *panel, const epilogue *ep,
-                              int row0) {
+/* The end of a tile call: the accumulators stored, the steps past the last whole tile (whole
+ * of k2) added in order, and the rows through the epilogue. k2 counts bf16 pair-rows, each
+ * pair's `terms` planes (ldt words apart) through vdpbf16ps in turn, or for i8q (q8) quad-rows,
+ * through vpdpbusd (q8_steps: the int32 sums stay in the accumulators' bits). */
+static inline __attribute__((always_inline)) void amx_finish(const int q8, int m, const float *x,
+                                                            int64_t ldx, int64_t ldt, int terms,
+                                                            int64_t k2, int64_t whole,
+                                                            const char *panel,
+                                                            const epilogue *ep, int row0) {
     if (ep->defer) { /* a k-block before the last: whole steps only (KC), the raw sums kept */
         float *c = part_row(ep, row0);
         _tile_stored(0, c, 4 * MOE_NR);
@@ -107,36 +115,46 @@ static inline void amx_finish(int m, const float *x, int64_t ldx, int64_t ldt, i
             acc[r][0] = ldf(c[r0 + r]);
             acc[r][1] = ldf(c[r0 + r] + 16);
         }
-        for (int64_t j = whole; j < k2; j++) {
-            const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
-            const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
-            for (int r = 0; r < mm; r++)
-                for (int t = 0; t < terms; t++) {
-                    int32_t w;
-                    memcpy(&w, x + (r0 + r) * ldx + t * ldt + j, sizeof w);
-                    const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
-                    acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
-                    acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
-                }
+        if (q8) {
+            q8_steps(mm, x + r0 * ldx, ldx, panel, 0, whole, k2, acc);
+        } else {
+            for (int64_t j = whole; j < k2; j++) {
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(panel + j * 128);
+                const __m512bh b = (__m512bh)_mm512_loadu_si512(panel + j * 128 + 64);
+                for (int r = 0; r < mm; r++)
+                    for (int t = 0; t < terms; t++) {
+                        int32_t w;
+                        memcpy(&w, x + (r0 + r) * ldx + t * ldt + j, sizeof w);
+                        const __m512bh xb = (__m512bh)_mm512_set1_epi32(w);
+                        acc[r][0] = (vf)_mm512_dpbf16_ps((__m512)acc[r][0], a, xb);
+                        acc[r][1] = (vf)_mm512_dpbf16_ps((__m512)acc[r][1], b, xb);
+                    }
+            }
         }
         apply_epilogue(mm, acc, 0, ep, row0 + r0);
     }
 }
 
-/* The bf16p tile function of the amx build (tile_fn): m <= AMX_ROWS rows of bf16 pair words
- * (row stride ldx words) against one panel, through the epilogue. */
-static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
-                           const void *gscale, const epilogue *ep, int row0) {
-    (void)gscale;
-    const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16, stride = 4 * ldx;
-    const char *xa = (const char *)x;
+/* The whole steps of 16 pair-rows (bf16p) or quad-rows (i8q: q8) of one tile call, [0, whole):
+ * m <= AMX_ROWS activation rows (row stride `stride` bytes) against the panel, into the
+ * accumulator tiles. A tile load waits for all its 16 lines, so lines are asked for ahead of
+ * their step: the panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first
+ * row tile, a decode step's only one, and from L2 for the others), the activations' (from L2)
+ * AMX_PREFETCH_X steps ahead. A step is 64 bytes of every activation row and 2 KB of panel
+ * for both storages. */
+static inline __attribute__((always_inline)) void amx_steps(const int q8, int m, const char *xa,
+                                                           int64_t stride, int64_t whole,
+                                                           const char *panel) {
     const int two = m > 16;
-    amx_start_acc(two, ep, row0);
-    /* A tile load waits for all its 16 lines, so lines are asked for ahead of their step: the
-     * panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first row tile, a
-     * decode step's only one, and from L2 for the others), the activations' (from L2)
-     * AMX_PREFETCH_X steps ahead. */
     const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
+    /* (tile numbers are instruction operands: a macro, not an argument) */
+#define AMX_DOT(C, A, B)          \
+    do {                          \
+        if (q8)                   \
+            _tile_dpbusd(C, A, B); \
+        else                      \
+            _tile_dpbf16ps(C, A, B); \
+    } while (0)
     for (int64_t j = 0; j < whole; j += 16) {
         if (j < fetch) {
             const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
@@ -151,16 +169,39 @@ static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const 
          * order, so the same results) */
         _tile_loadd(4, xa + 4 * j, stride);
         _tile_loadd(6, panel + j * 128, 128);
-        _tile_dpbf16ps(0, 4, 6);
+        AMX_DOT(0, 4, 6);
         _tile_loadd(7, panel + j * 128 + 64, 128);
-        _tile_dpbf16ps(1, 4, 7);
+        AMX_DOT(1, 4, 7);
         if (two) {
             _tile_loadd(5, xa + 16 * stride + 4 * j, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            AMX_DOT(2, 5, 6);
+            AMX_DOT(3, 5, 7);
         }
     }
-    amx_finish(m, x, ldx, 0, 1, k2, whole, panel, ep, row0);
+#undef AMX_DOT
+}
+
+/* The bf16p tile function of the amx build (tile_fn): m <= AMX_ROWS rows of bf16 pair words
+ * (row stride ldx words) against one panel, through the epilogue. */
+static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
+                           const void *gscale, const epilogue *ep, int row0) {
+    (void)gscale;
+    const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16;
+    amx_start_acc(m > 16, ep, row0);
+    amx_steps(0, m, (const char *)x, 4 * ldx, whole, panel);
+    amx_finish(0, m, x, ldx, 0, 1, k2, whole, panel, ep, row0);
+}
+
+/* The i8q tile function of the amx build: m <= AMX_ROWS rows of quantized quads (unsigned
+ * bytes, row stride ldx words, the row's scale in its last word) against one panel, int32
+ * sums through the epilogue's correction and scales. */
+static void tile_i8q_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
+                         const void *gscale, const epilogue *ep, int row0) {
+    (void)gscale;
+    const int64_t k4 = (K + 3) / 4, whole = k4 / 16 * 16;
+    amx_start_acc(m > 16, ep, row0);
+    amx_steps(1, m, (const char *)x, 4 * ldx, whole, panel);
+    amx_finish(1, m, x, ldx, 0, 1, k4, whole, panel, ep, row0);
 }
 
 /* The bf16x3 tile function of the amx build: as tile_bf16p_amx, with each activation tile
@@ -208,33 +249,48 @@ static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const
         }
 #undef AMX_X3_ROW_TILE
     }
-    amx_finish(m, x, ldx, ldt, 3, k2, whole, panel, ep, row0);
+    amx_finish(0, m, x, ldx, ldt, 3, k2, whole, panel, ep, row0);
 }
 
-/* The bf16 dot-product probe on tiles: n iterations of four independent tdpbf16ps per thread
- * (AMX_PROBE_FLOPS each iteration). */
-#define AMX_PROBE_FLOPS (4 * 16 * 16 * 32 * 2)
-static double amx_probe(int64_t n, int nthreads) {
+/* The dot-product probes on tiles: n iterations of four independent tdpbf16ps (bf16 pairs) or
+ * tdpbusd (int8 quads: q8) per thread, amx_probe_flops(q8) each iteration. */
+static inline int64_t amx_probe_flops(int q8) { return (int64_t)4 * 16 * 16 * (q8 ? 64 : 32) * 2; }
+
+static double amx_probe(int64_t n, int nthreads, const int q8) {
     double total = 0.0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
     {
-        uint32_t src[16 * 16];
+        /* bf16 pairs of ~1e-3; int8: activations (1, 1, 1, 1) against weights (-1, 1, -1, 1),
+         * each step adds 0, so the int32 sums never overflow */
+        uint32_t src[16 * 16], wq[16 * 16];
         float c[16 * 16];
-        for (int i = 0; i < 16 * 16; i++) src[i] = 0x3a833a83u; /* bf16 pairs of ~1e-3 */
+        for (int i = 0; i < 16 * 16; i++) {
+            src[i] = q8 ? 0x01010101u : 0x3a833a83u;
+            wq[i] = q8 ? 0x01ff01ffu : 0x3a833a83u;
+        }
         amx_tiles_begin();
         _tile_loadd(4, src, 64);
         _tile_loadd(5, src, 64);
-        _tile_loadd(6, src, 64);
-        _tile_loadd(7, src, 64);
+        _tile_loadd(6, wq, 64);
+        _tile_loadd(7, wq, 64);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t it = 0; it < n; it++) {
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+        if (q8) {
+            for (int64_t it = 0; it < n; it++) {
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+            }
+        } else {
+            for (int64_t it = 0; it < n; it++) {
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
         _tile_stored(0, c, 64);
         total += c[0];
