@@ -181,27 +181,31 @@ static inline __attribute__((always_inline)) void amx_steps(const int q8, int m,
 #undef AMX_DOT
 }
 
-/* The bf16p tile function of the amx build (tile_fn): m <= AMX_ROWS rows of bf16 pair words
- * (row stride ldx words) against one panel, through the epilogue. */
+/* One tile call of bf16p (q8 = 0) or i8q (q8 = 1) weights: m <= AMX_ROWS rows of bf16 pair
+ * words, or of quantized quads (unsigned bytes, the row's scale in its last word), row stride
+ * ldx words, against one panel, through the epilogue (i8q: int32 sums, corrected and scaled
+ * there). */
+static inline __attribute__((always_inline)) void amx_tile_call(const int q8, int m,
+                                                               const float *x, int64_t ldx,
+                                                               int64_t K, const char *panel,
+                                                               const epilogue *ep, int row0) {
+    const int64_t steps = q8 ? (K + 3) / 4 : (K + 1) / 2, whole = steps / 16 * 16;
+    amx_start_acc(m > 16, ep, row0);
+    amx_steps(q8, m, (const char *)x, 4 * ldx, whole, panel);
+    amx_finish(q8, m, x, ldx, 0, 1, steps, whole, panel, ep, row0);
+}
+
+/* The bf16p and i8q tile functions of the amx build (tile_fn). */
 static void tile_bf16p_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
                            const void *gscale, const epilogue *ep, int row0) {
     (void)gscale;
-    const int64_t k2 = (K + 1) / 2, whole = k2 / 16 * 16;
-    amx_start_acc(m > 16, ep, row0);
-    amx_steps(0, m, (const char *)x, 4 * ldx, whole, panel);
-    amx_finish(0, m, x, ldx, 0, 1, k2, whole, panel, ep, row0);
+    amx_tile_call(0, m, x, ldx, K, panel, ep, row0);
 }
 
-/* The i8q tile function of the amx build: m <= AMX_ROWS rows of quantized quads (unsigned
- * bytes, row stride ldx words, the row's scale in its last word) against one panel, int32
- * sums through the epilogue's correction and scales. */
 static void tile_i8q_amx(int m, const float *x, int64_t ldx, int64_t K, const char *panel,
                          const void *gscale, const epilogue *ep, int row0) {
     (void)gscale;
-    const int64_t k4 = (K + 3) / 4, whole = k4 / 16 * 16;
-    amx_start_acc(m > 16, ep, row0);
-    amx_steps(1, m, (const char *)x, 4 * ldx, whole, panel);
-    amx_finish(1, m, x, ldx, 0, 1, k4, whole, panel, ep, row0);
+    amx_tile_call(1, m, x, ldx, K, panel, ep, row0);
 }
 
 /* The bf16x3 tile function of the amx build: as tile_bf16p_amx, with each activation tile
@@ -218,7 +222,7 @@ static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const
     amx_start_acc(two, ep, row0);
     const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
     for (int64_t j = 0; j < whole; j += 16) {
-        if (j < fetch) { /* as tile_bf16p_amx's, the activations' in each plane */
+        if (j < fetch) { /* as amx_steps', the activations' in each plane */
             const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
             for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
         }
