@@ -129,10 +129,14 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tens
     """A zero tensor in its own anonymous mapping, 2 MiB aligned and advised into transparent
     huge pages (MADV_HUGEPAGE), for large tensors read in scattered page-sized runs (the KV
     cache). Decode attention over a 512 MiB cache of shuffled blocks read 1.08x (bf16) and
-    1.09x (fp32) the GB/s of 4 KiB pages (docs/benchmarks.md). The pages are zero by the
-    mapping's definition and faulted in on first use. Falls back to torch.zeros below one huge
-    page, where madvise is missing or refused, and under MOE_BATCH_MALLOC=system (the
-    system's defaults, to measure what this buys)."""
+    1.09x (fp32) the GB/s of 4 KiB pages (docs/benchmarks.md). The pages are written here, as
+    torch.zeros writes its own, not left to fault in on first use: on the KVM guest of
+    2026-12-06 first touch ran at ~0.5 GB/s, and the default run's first prefill steps paid
+    0.13-0.17 s of its 1.5 s for the cache's pages inside attention (a first run 10-15% slower
+    than the next on the same engine, which the performance model, timing warm kernels, does
+    not price); a host short of the memory also fails at load, not hours into a run. Falls
+    back to torch.zeros below one huge page, where madvise is missing or refused, and under
+    MOE_BATCH_MALLOC=system (the system's defaults, to measure what this buys)."""
     import torch
 
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
@@ -149,4 +153,4 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tens
         return torch.zeros(shape, dtype=dtype)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
     start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    return raw[start:start + nbytes].view(dtype).view(shape).zero_()  # resident from here

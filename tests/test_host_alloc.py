@@ -81,9 +81,9 @@ def test_engine_stats_name_the_allocator(tiny_mixtral_dir):
         assert engine.stats.to_dict()["host_allocator"] == engine.host_allocator != ""
 
 
-def _vm_flags(t, addr: int | None = None) -> list[str]:
-    """The VmFlags of the mapping that holds tensor t (or address `addr`), from
-    /proc/self/smaps; [] when no mapping holds it."""
+def _smaps_field(field: str, t, addr: int | None = None) -> list[str]:
+    """The words after `field` (e.g. "VmFlags:", "Rss:") of the mapping that holds tensor t (or
+    address `addr`), from /proc/self/smaps; [] when no mapping holds it."""
     addr = t.data_ptr() if addr is None else addr
     inside = False
     with open("/proc/self/smaps") as f:
@@ -92,9 +92,13 @@ def _vm_flags(t, addr: int | None = None) -> list[str]:
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
+            elif inside and head == field:
                 return line.split()[1:]
     return []
+
+
+def _vm_flags(t, addr: int | None = None) -> list[str]:
+    return _smaps_field("VmFlags:", t, addr)
 
 
 linux = pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/smaps")
@@ -107,8 +111,8 @@ THP = pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage
 @THP
 def test_the_kv_cache_is_zero_and_advised_into_huge_pages(monkeypatch):
     """The KV cache's pools get their own 2 MiB aligned mapping advised MADV_HUGEPAGE (VmFlags
-    'hg'; whether the kernel then backs it with huge pages is its THP mode), zero as
-    torch.zeros would make them, and stay valid through per-layer views once the pool's own
+    'hg'; whether the kernel then backs it with huge pages is its THP mode), zero and resident
+    as torch.zeros would make them, and stay valid through per-layer views once the pool's own
     tensor is gone; the mapping goes with the last view. A pool under one huge page, or
     MOE_BATCH_MALLOC=system, takes torch.zeros."""
     import gc
@@ -124,6 +128,8 @@ def test_the_kv_cache_is_zero_and_advised_into_huge_pages(monkeypatch):
     pool = huge_page_zeros((4, 64, 8, 16, 128), torch.bfloat16)
     assert pool.shape == (4, 64, 8, 16, 128) and pool.dtype == torch.bfloat16
     assert pool.data_ptr() % HUGE_PAGE == 0 and "hg" in _vm_flags(pool)
+    # resident before anything reads or writes it: a run's first steps must not fault it in
+    assert int(_smaps_field("Rss:", pool)[0]) * 1024 >= pool.numel() * pool.element_size()
     assert not pool.any()
     layers = pool.unbind(0)
     del pool
