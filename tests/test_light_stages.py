@@ -134,7 +134,7 @@ def test_policy_stage_with_the_machine_profile_cached_loads_no_torch(sharded, ti
     # hardware.profile=auto with a cached profile that covers the model: read, not measured.
     from moe_engine.config import load_resolved
     from moe_engine.perf import ModelSpec
-    from moe_engine.perf.hardware import (CALIBRATION_KEY, HOST_KEYS, cached_profile_path, engine_calibrated,
+    from moe_engine.perf.hardware import (CALIBRATION_KEY, CALIBRATION_METHOD, HOST_KEYS, cached_profile_path, engine_calibrated,
                                           gemm_shapes, profile_covers)
     from moe_engine.perf.specs import ENGINE_COMPONENTS, layer_layout
 
@@ -154,7 +154,8 @@ def test_policy_stage_with_the_machine_profile_cached_loads_no_torch(sharded, ti
             "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
             "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
             "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}],
-            CALIBRATION_KEY: [{"layout": layout, **dict.fromkeys(ENGINE_COMPONENTS, 1.0)}]}
+            CALIBRATION_KEY: [{"layout": layout, **dict.fromkeys(ENGINE_COMPONENTS, 1.0),
+                             "method": CALIBRATION_METHOD}]}
     assert profile_covers(data, [model]) and engine_calibrated(data, model)
     path.write_text(yaml.safe_dump(data))
     out = tmp / "auto-policy.json"

@@ -555,11 +555,12 @@ def test_a_failed_calibration_run_keeps_factor_one_and_is_not_retried(tiny_profi
     assert engine_calibrated({"device": "cuda"}, model) and not engine_calibrated({}, model)
 
 
-def test_a_calibration_row_refused_under_an_older_method_is_measured_again(tiny_mixtral_dir):
+def test_a_calibration_row_of_an_older_method_is_measured_again(tiny_mixtral_dir):
     """Rows that refused or failed under an older calibration method (method 1 ran a default
     engine only, which refused medium's and quantized storages: factor 1, and the tiny model's
-    medium runs reported 53-80% over the engine) do not count as calibrated; under the current
-    method a row with an error still does (not retried), and so does any measured row."""
+    medium runs reported 53-80% over the engine) do not count as calibrated, nor do rows
+    measured under one (method 2 timed host as sampling and scheduling alone); under the current
+    method a row with an error still does (not retried), and so does a measured row."""
     from moe_engine.perf.hardware import CALIBRATION_KEY, CALIBRATION_METHOD, engine_calibrated
     from moe_engine.perf.specs import ENGINE_COMPONENTS, layer_layout
 
@@ -574,4 +575,6 @@ def test_a_calibration_row_refused_under_an_older_method_is_measured_again(tiny_
     assert not engine_calibrated({**host, CALIBRATION_KEY: [{**stale, "method": 1}]}, model)
     assert engine_calibrated({**host, CALIBRATION_KEY: [{**stale, "method": CALIBRATION_METHOD}]}, model)
     assert engine_calibrated({**host, CALIBRATION_KEY: [failed]}, model)
-    assert engine_calibrated({**host, CALIBRATION_KEY: [row]}, model)  # measured: no method needed
+    assert not engine_calibrated({**host, CALIBRATION_KEY: [row]}, model)  # no method: method 1
+    assert not engine_calibrated({**host, CALIBRATION_KEY: [{**row, "method": CALIBRATION_METHOD - 1}]}, model)
+    assert engine_calibrated({**host, CALIBRATION_KEY: [{**row, "method": CALIBRATION_METHOD}]}, model)

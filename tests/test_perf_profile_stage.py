@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from moe_engine.perf import ModelSpec
-from moe_engine.perf.hardware import CALIBRATION_KEY, HOST_KEYS, cached_profile_path, gemm_shapes
+from moe_engine.perf.hardware import CALIBRATION_KEY, CALIBRATION_METHOD, HOST_KEYS, cached_profile_path, gemm_shapes
 from moe_engine.perf.specs import ENGINE_COMPONENTS, layer_layout
 from moe_engine.stages import policy as stage
 
@@ -66,7 +66,8 @@ def _covering_profile(model) -> dict:
         "prefill_attention": [{"layout": layout, "prompt": 8, "us_per_prompt": 1.0}],
         "decode_attention": [{"layout": layout, "batch": 1, "context": 16, "us_per_call": 1.0}],
         "moe_ffn": [{"layout": layout, "tokens": 1, "us_per_call": 1.0}],
-        CALIBRATION_KEY: [{"layout": layout, **dict.fromkeys(ENGINE_COMPONENTS, 1.0)}]}
+        CALIBRATION_KEY: [{"layout": layout, **dict.fromkeys(ENGINE_COMPONENTS, 1.0),
+                             "method": CALIBRATION_METHOD}]}
 
 
 def test_covering_profile_is_used_without_measuring(tmp_path, monkeypatch):

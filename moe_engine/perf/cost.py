@@ -452,8 +452,8 @@ def engine_step_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: Worklo
 def traced_component_times(m: ModelSpec, hw: HardwareSpec, policy: Policy, wl: WorkloadSpec) -> dict[str, float]:
     """Seconds of a bounded run on the CPU backend, replayed step by step as the engine's
     scheduler runs it (`schedule.step_trace`), per part of a step as the engine times them
-    (ENGINE_COMPONENTS: its EngineStats' dense, attention, ffn, head, and sampling plus
-    scheduling as host). What the profiler sets against the engine's own times of the same
+    (ENGINE_COMPONENTS: its EngineStats' dense, attention, ffn, head, and the rest of its wall
+    time as host). What the profiler sets against the engine's own times of the same
     run to measure the in-run factors (tools/profile_engine.py)."""
     parts = dict.fromkeys(ENGINE_COMPONENTS, 0.0)
     for step in step_trace(wl.prompt_lengths, wl.request_gen_lengths, policy.batch_size, policy.prefill_tokens):

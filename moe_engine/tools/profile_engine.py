@@ -137,8 +137,11 @@ def measure_engine_factors(checkpoint: Path | str, m: ModelSpec, data: dict[str,
             run(zip(requests, gens))
             seconds.append(time.perf_counter() - started)
             s = engine.stats
-            runs.append({"dense": s.dense_time_s, "attention": s.attention_time_s, "ffn": s.ffn_time_s,
-                         "head": s.head_time_s, "host": s.sampling_time_s + s.schedule_time_s})
+            parts = {"dense": s.dense_time_s, "attention": s.attention_time_s, "ffn": s.ffn_time_s,
+                     "head": s.head_time_s}
+            # host: the rest of the run (sampling, scheduling, admission, results), so the
+            # factors price the run's whole wall time (CALIBRATION_METHOD 3)
+            runs.append({**parts, "host": max(0.0, s.wall_time_s - sum(parts.values()))})
     finally:
         engine.close()
     low, high = FACTOR_BOUNDS
