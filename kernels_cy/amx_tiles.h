@@ -142,6 +142,20 @@ static inline __attribute__((always_inline)) void amx_finish(const int q8, int m
  * row tile, a decode step's only one, and from L2 for the others), the activations' (from L2)
  * AMX_PREFETCH_X steps ahead. A step is 64 bytes of every activation row and 2 KB of panel
  * for both storages. */
+/* Prefetches of one step ahead, shared by the step loops: the panel's 2 KB (32 lines) of the
+ * step AMX_PREFETCH ahead, and 64 bytes of each activation row (16, or 32 for two row tiles)
+ * from `ahead`, rows `stride` bytes apart. */
+static inline __attribute__((always_inline)) void amx_prefetch_panel(const char *panel,
+                                                                    int64_t j) {
+    const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
+    for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) void amx_prefetch_rows(const char *ahead,
+                                                                   int64_t stride, int two) {
+    for (int l = 0; l < (two ? 32 : 16); l++) _mm_prefetch(ahead + l * stride, _MM_HINT_T0);
+}
+
 static inline __attribute__((always_inline)) void amx_steps(const int q8, int m, const char *xa,
                                                            int64_t stride, int64_t whole,
                                                            const char *panel) {
@@ -156,14 +170,8 @@ static inline __attribute__((always_inline)) void amx_steps(const int q8, int m,
             _tile_dpbf16ps(C, A, B); \
     } while (0)
     for (int64_t j = 0; j < whole; j += 16) {
-        if (j < fetch) {
-            const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
-            for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-        }
-        if (j < fetch_x) {
-            const char *ahead = xa + 4 * (j + 16 * AMX_PREFETCH_X);
-            for (int l = 0; l < (two ? 32 : 16); l++) _mm_prefetch(ahead + l * stride, _MM_HINT_T0);
-        }
+        if (j < fetch) amx_prefetch_panel(panel, j);
+        if (j < fetch_x) amx_prefetch_rows(xa + 4 * (j + 16 * AMX_PREFETCH_X), stride, two);
         /* each load just before the first product that needs it: +2-5% at 64-1024 rows
          * against all three loads first (same VM, interleaved; the same products in the same
          * order, so the same results) */
@@ -222,16 +230,10 @@ static void tile_bf16x3_amx(int m, const float *x, int64_t ldx, int64_t K, const
     amx_start_acc(two, ep, row0);
     const int64_t fetch = whole - 16 * AMX_PREFETCH, fetch_x = whole - 16 * AMX_PREFETCH_X;
     for (int64_t j = 0; j < whole; j += 16) {
-        if (j < fetch) { /* as amx_steps', the activations' in each plane */
-            const char *ahead = panel + (j + 16 * AMX_PREFETCH) * 128;
-            for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-        }
-        if (j < fetch_x)
-            for (int t = 0; t < 3; t++) {
-                const char *ahead = xa + 4 * (t * ldt + j + 16 * AMX_PREFETCH_X);
-                for (int l = 0; l < (two ? 32 : 16); l++)
-                    _mm_prefetch(ahead + l * stride, _MM_HINT_T0);
-            }
+        if (j < fetch) amx_prefetch_panel(panel, j); /* as amx_steps', the activations' */
+        if (j < fetch_x)                               /* in each plane */
+            for (int t = 0; t < 3; t++)
+                amx_prefetch_rows(xa + 4 * (t * ldt + j + 16 * AMX_PREFETCH_X), stride, two);
         _tile_loadd(6, panel + j * 128, 128);
         _tile_loadd(7, panel + j * 128 + 64, 128);
         /* one row tile's three planes into accumulators C0, C1 against the weight tiles 6, 7;

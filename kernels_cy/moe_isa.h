@@ -56,8 +56,8 @@
 
 #define MOE_NR 32
 #define MOE_I4_GROUP 32
-/* Spare rows after the activations a bf16p GEMM reads (its own scratch, sized here): AMX tiles
- * load whole 16-row tiles, up to 31 rows past a call's last. */
+/* Spare rows after the activations a bf16p, bf16x3 or i8q GEMM reads (its own scratch, sized
+ * here): AMX tiles load whole 16-row tiles, up to 31 rows past a call's last. */
 #define MOE_PAD_ROWS 32
 
 /* Storage dtypes of packed weights; KV caches use the first three. */

@@ -927,7 +927,11 @@ static inline int64_t input_bytes(int dt) {
  * in a buffer of the thread's (`part`, up to PART_BYTES) between blocks. A store and a load
  * of an fp32 sum are exact and every sum keeps its order, so a row's result is bitwise the
  * same whatever the blocking (and the item size): work partitioning only. */
-#define KC 512 /* inputs of a k-block: a multiple of 32 (i4 groups; 16 AMX pair steps) */
+/* inputs of a k-block: a multiple of 64, so a block before the last is whole AMX steps for
+ * both storages (16 bf16 pair-rows are 32 inputs, 16 i8q quad-rows 64; amx_finish adds no
+ * tail on such a block) and whole i4 groups (32) */
+#define KC 512
+_Static_assert(KC % 64 == 0, "KC: a k-block before the last must be whole AMX i8q steps");
 #define PART_BYTES (256 << 10)
 typedef struct {
     tile_fn tile_of;

@@ -33,12 +33,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def bf16_tiles(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether engine.matmul_precision=high holds bf16x3 here: the CPU reports AMX tiles with
-    bf16 products and MOE_BATCH_ISA does not force another build (bf16x3 GEMMs beat fp32 FMAs
-    only on tiles). The one place it is decided, so the engine and the policy stage hold and
-    price the same storage. It reads the CPU, not the kernel build: a build without the amx
-    path (an old compiler) or an OS refusing the tile state leaves bf16x3 emulated, and the
-    engine warns."""
+    """Whether engine.matmul_precision=high holds bf16x3 here: the CPU reports what the amx
+    build needs (AMX tiles with bf16 and int8 products, TILE_FLAGS) and MOE_BATCH_ISA does not
+    force another build (bf16x3 GEMMs beat fp32 FMAs only on tiles). The one place it is
+    decided, so the engine and the policy stage hold and price the same storage. It reads the
+    CPU, not the kernel build: a build without the amx path (an old compiler) or an OS refusing
+    the tile state leaves bf16x3 emulated, and the engine warns."""
     env = os.environ if environ is None else environ
     forced = env.get("MOE_BATCH_ISA")
     return (not forced or forced == TILE_ISA) and set(TILE_FLAGS) <= cpu_flags()

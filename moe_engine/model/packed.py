@@ -53,14 +53,16 @@ NIBBLE_STORAGE = ("int4", "mxfp4")  # two columns a byte, a scale per group of 3
 PAIR_STORAGES = (PAIR_STORAGE, BF16X3_STORAGE)
 # QUAD_STORAGE (int8q): int8's values and per-channel scales with k in quads, whose GEMMs
 # quantize each activation row to int8 (engine.matmul_precision=medium on int8 experts):
-# AVX512-VNNI's vpdpbusd does four multiply-adds a lane into exact int32 sums; other CPUs
-# compute the same sums with vpmaddwd (same bits, no faster than int8's FMAs)
+# vpdpbusd (AVX512-VNNI, AVX-VNNI) does four multiply-adds a lane into exact int32 sums, AMX
+# tiles' tdpbusd 16 x 16 x 64 an instruction; other CPUs compute the same sums with vpmaddwd
+# (same bits, no faster than int8's FMAs)
 QUAD_BYTES = 4 * NR  # bytes of a quad-row: 32 columns x 4 inputs
-# ISA builds with vpdpbusd (elsewhere int8q is emulated: no faster)
+# ISA builds with native int8 quad products: vpdpbusd, and on amx tdpbusd for whole tile steps
+# (elsewhere int8q is emulated: no faster)
 NATIVE_INT8_DOT_ISAS = ("avxvnni", "avx512vnni", "avx512bf16", "amx")
 # ISA builds that multiply bf16 pairs natively (elsewhere bf16p is emulated: no faster)
 NATIVE_BF16_ISAS = ("avx512bf16", "amx")
-# ISA builds that run bf16p and bf16x3 on AMX tiles (bf16x3 pays only there)
+# ISA builds that run bf16p, bf16x3 and int8q on AMX tiles (bf16x3 pays only there)
 TILE_ISAS = (TILE_ISA,)
 
 _TORCH_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -471,8 +473,8 @@ def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
     """Achieved FLOP/s of a register-blocked loop on `threads` threads (the compute roof): fp32
     FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, tdpbf16ps
     on AMX tiles on the amx build, vdpbf16ps on avx512bf16, two FMAs a pair elsewhere), or int8
-    quad dot products ("int8_dot": int8q weights' roof, vpdpbusd on avxvnni, avx512vnni,
-    avx512bf16 and amx, vpmaddwd elsewhere; each of the four multiply-adds a lane counted as
+    quad dot products ("int8_dot": int8q weights' roof, tdpbusd on AMX tiles on the amx build,
+    vpdpbusd on avxvnni, avx512vnni and avx512bf16, vpmaddwd elsewhere; each of the four multiply-adds a lane counted as
     two operations)."""
     import time
     _require_kernels()
