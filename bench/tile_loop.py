@@ -12,7 +12,7 @@ loss into the loop's own (here) and the work around it (item set-up, gathers, ep
   .venv/bin/python bench/tile_loop.py --isa avx2 --rounds 9
   .venv/bin/python bench/tile_loop.py --cflags -DPANEL_AHEAD=8192   # a variant of the loops
 
-Rows: the build's register tile (MOE_MR: AVX2 6, AVX-512 8), one tile per panel, bf16 weights (fp32
+Rows: the build's register tile (MOE_MR: AVX2 6, AVX-512 14), one tile per panel, bf16 weights (fp32
 with --dtype fp32); "stream" adds the next-panel prefetches run_item gives decode-sized items.
 The last line printed is (the first ISA):
   RESULT l2_fraction=<1 thread, L2> dram_fraction=<2 threads, DRAM> stream_ratio=<2 threads,

@@ -3,7 +3,8 @@
  * instruction, the weights never widened, and vpdpbusd for i8q weights (int8 experts at
  * medium), four. Every other path is the AVX-512 code. */
 #define MOE_VW 16
-#define MOE_MR 8
+#define MOE_MR 14
+#define MOE_MR_Q8 8
 #define MOE_ATTN_TILE 8
 #define MOE_OPS_NAME moe_ops_avx512bf16
 #define MOE_ISA_LABEL "avx512bf16"

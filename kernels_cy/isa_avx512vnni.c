@@ -3,7 +3,8 @@
  * experts at medium), four multiply-adds a lane. Every other path is the AVX-512 code; bf16p
  * weights stay emulated, as on avx512. */
 #define MOE_VW 16
-#define MOE_MR 8
+#define MOE_MR 14
+#define MOE_MR_Q8 8
 #define MOE_ATTN_TILE 8
 #define MOE_OPS_NAME moe_ops_avx512vnni
 #define MOE_ISA_LABEL "avx512vnni"

@@ -24,6 +24,13 @@
 #endif
 
 #define MR MOE_MR
+/* i8q's register tile: vpdpbusd's tiles ran 0.7x as fast at 64-256 rows with 14 rows as with
+ * 8 (avx512bf16 build, AMX Xeon, 2026-12-06), where the FMA storages gained */
+#if defined(MOE_MR_Q8)
+#define MR_Q8 MOE_MR_Q8
+#else
+#define MR_Q8 MR
+#endif
 #define NPASS (16 / VW)
 /* Token rows per work item, at least (plan_gemm): the weight panel stays in cache across an
  * item's row tiles, and the item's activations are re-read from cache once per panel. */
@@ -795,11 +802,16 @@ static inline __attribute__((always_inline)) void tile_m(const int dt, const int
 #define MOE_TILE_CASES(DT) MOE_TILE_CASE(DT, 1) MOE_TILE_CASE(DT, 2) MOE_TILE_CASE(DT, 3) \
     MOE_TILE_CASE(DT, 4) MOE_TILE_CASE(DT, 5) MOE_TILE_CASE(DT, 6) MOE_TILE_CASE(DT, 7) \
     MOE_TILE_CASE(DT, 8)
+#elif MR == 14
+#define MOE_TILE_CASES(DT) MOE_TILE_CASE(DT, 1) MOE_TILE_CASE(DT, 2) MOE_TILE_CASE(DT, 3) \
+    MOE_TILE_CASE(DT, 4) MOE_TILE_CASE(DT, 5) MOE_TILE_CASE(DT, 6) MOE_TILE_CASE(DT, 7) \
+    MOE_TILE_CASE(DT, 8) MOE_TILE_CASE(DT, 9) MOE_TILE_CASE(DT, 10) MOE_TILE_CASE(DT, 11) \
+    MOE_TILE_CASE(DT, 12) MOE_TILE_CASE(DT, 13) MOE_TILE_CASE(DT, 14)
 #elif MR == 6
 #define MOE_TILE_CASES(DT) MOE_TILE_CASE(DT, 1) MOE_TILE_CASE(DT, 2) MOE_TILE_CASE(DT, 3) \
     MOE_TILE_CASE(DT, 4) MOE_TILE_CASE(DT, 5) MOE_TILE_CASE(DT, 6)
 #else
-#error "MOE_MR must be 6 or 8"
+#error "MOE_MR must be 6, 8 or 14"
 #endif
 #define MOE_TILE_FN(NAME, DT)                                                                   \
     static void NAME(int m, const float *x, int64_t ldx, int64_t K, const char *panel,          \
@@ -836,12 +848,12 @@ static inline int on_tiles(int dt) {
 #endif
 }
 
-/* Token rows one tile call takes: AMX_ROWS on AMX tiles, MR in registers. */
+/* Token rows one tile call takes: AMX_ROWS on AMX tiles, MR in registers (MR_Q8 for i8q). */
 static inline int tile_rows(int dt) {
 #if defined(MOE_AMX)
     if (on_tiles(dt)) return AMX_ROWS;
 #endif
-    return MR;
+    return dt == MOE_W_I8Q ? MR_Q8 : MR;
 }
 
 /* Sets up (and, at the end, releases) the calling thread's AMX tiles when `tiles` (on_tiles of
@@ -960,9 +972,14 @@ static inline gemm_plan plan_gemm(const moe_packed *w, int64_t rows, int nthread
     const int64_t k = w->k > 1 ? w->k : 1, ib = input_bytes(w->dtype);
     /* blocked when the item's rows (TC, or all when fewer) overflow ITEM_BYTES */
     g.kb = k > KC && (rows < TC ? rows : TC) * ib * k > ITEM_BYTES ? KC : k;
-    int64_t tc = ITEM_BYTES / (ib * g.kb) / g.mr * g.mr;
-    g.tc = tc < TC ? TC : tc > ITEM_ROWS_MAX ? ITEM_ROWS_MAX : tc;
-    const int64_t P = num_panels(w), chunks = (rows + g.tc - 1) / g.tc;
+    /* rows whose activations fit ITEM_BYTES, then the chunks that takes, in whole tiles of
+     * near-equal size: a chunk of a few rows left over would read every panel again for them */
+    int64_t tc = ITEM_BYTES / (ib * g.kb);
+    tc = tc < TC ? TC : tc > ITEM_ROWS_MAX ? ITEM_ROWS_MAX : tc;
+    const int64_t P = num_panels(w), parts = rows > tc ? (rows + tc - 1) / tc : 1;
+    const int64_t share = (rows + parts - 1) / parts;
+    g.tc = share < 1 ? g.mr : (share + g.mr - 1) / g.mr * g.mr;
+    const int64_t chunks = (rows + g.tc - 1) / g.tc;
     /* the part buffer holds an item's rows (in whole tiles) for each panel of its group */
     const int64_t per_panel = (g.tc + g.mr - 1) / g.mr * g.mr * MOE_NR * (int64_t)sizeof(float);
     /* bf16 pairs (the AVX512-BF16 and AMX builds' storage, whose decode is compute-bound)
@@ -994,7 +1011,7 @@ static int64_t gemm_k_block_impl(int64_t rows, int64_t k, int dtype) {
  * (one row: 2 chains a pass, where 2 ports x 4 cycles want 8), and a row's sums do not depend
  * on its tile. AMX tiles compute 16 rows whatever the count, so theirs stay whole. */
 static inline int tile_split(int mr, int64_t left) {
-    if (mr == MR && left > mr && left < 2 * mr) return (int)(left + 1) / 2;
+    if (mr <= MR && left > mr && left < 2 * mr) return (int)(left + 1) / 2;
     return (int)(left < mr ? left : mr);
 }
 

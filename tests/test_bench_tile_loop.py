@@ -34,4 +34,4 @@ def test_tile_loop_builds_from_the_extension_sources_and_runs(tmp_path):
         for stream, tiles in ((0, 1), (1, 2)):
             fraction, rows = bench.run(exe, dtype, 2, stream, 1, tiles)
             assert 0.0 < fraction < 10.0, (dtype, stream, tiles)
-            assert rows == {"avx2": 6, "avx512": 8}[isa]  # the build's MOE_MR by default
+            assert rows == {"avx2": 6, "avx512": 14}[isa]  # the build's MOE_MR by default

@@ -1,6 +1,6 @@
 """The packed CPU kernels (kernels_cy/packed_gemm_impl.h) against an fp64 torch reference, on
 every ISA build this CPU can run, every weight storage, and the awkward sizes: token counts
-around the register tile (1, 2, 15, 16, 17, 64, 333), hidden sizes that are not multiples of
+around the register tiles (1, 2, 14, 15, 16, 17, 29, 64, 333), hidden sizes that are not multiples of
 the panel width, experts that receive no token. Also: a row's result is bitwise the same
 whatever rows share its call (batch invariance), and the same on every FMA-capable ISA.
 bf16p (engine.matmul_precision=medium) rounds the activations to bf16 before its GEMMs; its
@@ -22,7 +22,7 @@ from moe_engine.model.weights import ExpertWeights, SwigluClamp
 pytestmark = pytest.mark.skipif(not packed.HAS_PACKED_KERNELS, reason="kernels not built")
 
 ISAS = packed.supported_isas()
-TOKENS = [1, 2, 15, 16, 17, 64, 333]
+TOKENS = [1, 2, 14, 15, 16, 17, 29, 64, 333]
 FLOAT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
          "bf16p": torch.bfloat16, "bf16x3": torch.bfloat16}
 
