@@ -135,13 +135,6 @@ static inline __attribute__((always_inline)) void amx_finish(const int q8, int m
     }
 }
 
-/* The whole steps of 16 pair-rows (bf16p) or quad-rows (i8q: q8) of one tile call, [0, whole):
- * m <= AMX_ROWS activation rows (row stride `stride` bytes) against the panel, into the
- * accumulator tiles. A tile load waits for all its 16 lines, so lines are asked for ahead of
- * their step: the panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first
- * row tile, a decode step's only one, and from L2 for the others), the activations' (from L2)
- * AMX_PREFETCH_X steps ahead. A step is 64 bytes of every activation row and 2 KB of panel
- * for both storages. */
 /* Prefetches of one step ahead, shared by the step loops: the panel's 2 KB (32 lines) of the
  * step AMX_PREFETCH ahead, and 64 bytes of each activation row (16, or 32 for two row tiles)
  * from `ahead`, rows `stride` bytes apart. */
@@ -156,6 +149,13 @@ static inline __attribute__((always_inline)) void amx_prefetch_rows(const char *
     for (int l = 0; l < (two ? 32 : 16); l++) _mm_prefetch(ahead + l * stride, _MM_HINT_T0);
 }
 
+/* The whole steps of 16 pair-rows (bf16p) or quad-rows (i8q: q8) of one tile call, [0, whole):
+ * m <= AMX_ROWS activation rows (row stride `stride` bytes) against the panel, into the
+ * accumulator tiles. A tile load waits for all its 16 lines, so lines are asked for ahead of
+ * their step: the panel's AMX_PREFETCH steps ahead (it streams from DRAM for an item's first
+ * row tile, a decode step's only one, and from L2 for the others), the activations' (from L2)
+ * AMX_PREFETCH_X steps ahead. A step is 64 bytes of every activation row and 2 KB of panel
+ * for both storages. */
 static inline __attribute__((always_inline)) void amx_steps(const int q8, int m, const char *xa,
                                                            int64_t stride, int64_t whole,
                                                            const char *panel) {

@@ -3,8 +3,9 @@
  * multiply-adds of 8 from each panel line: a decode-sized item's first tile, which streams its
  * panel from DRAM at what one core drains (~9-10 GB/s on the AMX Xeon), does that much more
  * work, and a tile from cache has more FMAs for its two widenings (expert kernel 1.07-1.11x
- * at 24-64 tokens, 1.03x at 128-1024; tiles alone 1.25x at four tiles a DRAM panel). Attention: tiles of up to 8 query heads
- * (16 accumulators in q.k and in P.V), chunks of 16 tokens. */
+ * at 24-64 tokens, 1.03x at 128-1024; tiles alone 1.25x at four tiles a DRAM panel).
+ * Attention: tiles of up to 8 query heads (16 accumulators in q.k and in P.V), chunks of 16
+ * tokens. */
 #define MOE_VW 16
 #define MOE_MR 14
 #define MOE_MR_Q8 8

@@ -981,7 +981,7 @@ static inline gemm_plan plan_gemm(const moe_packed *w, int64_t rows, int nthread
     g.tc = share < 1 ? g.mr : (share + g.mr - 1) / g.mr * g.mr;
     const int64_t chunks = (rows + g.tc - 1) / g.tc;
     /* the part buffer holds an item's rows (in whole tiles) for each panel of its group */
-    const int64_t per_panel = (g.tc + g.mr - 1) / g.mr * g.mr * MOE_NR * (int64_t)sizeof(float);
+    const int64_t per_panel = g.tc * MOE_NR * (int64_t)sizeof(float); /* g.tc: whole tiles */
     /* bf16 pairs (the AVX512-BF16 and AMX builds' storage, whose decode is compute-bound)
      * and AMX tiles (their steps prefetch the panel themselves) do not stream */
     g.stream = rows <= STREAM_ROWS && !moe_pair_terms(w->dtype) && !on_tiles(w->dtype);

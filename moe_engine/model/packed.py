@@ -474,8 +474,8 @@ def fma_peak_flops(seconds: float = 0.3, threads: Optional[int] = None,
     FMAs (kind "fma"), or bf16 pair dot products ("bf16_dot": bf16p weights' roof, tdpbf16ps
     on AMX tiles on the amx build, vdpbf16ps on avx512bf16, two FMAs a pair elsewhere), or int8
     quad dot products ("int8_dot": int8q weights' roof, tdpbusd on AMX tiles on the amx build,
-    vpdpbusd on avxvnni, avx512vnni and avx512bf16, vpmaddwd elsewhere; each of the four multiply-adds a lane counted as
-    two operations)."""
+    vpdpbusd on avxvnni, avx512vnni and avx512bf16, vpmaddwd elsewhere; each of the four
+    multiply-adds a lane counted as two operations)."""
     import time
     _require_kernels()
     kinds = {"fma": _ext.PROBE_FMA, "bf16_dot": _ext.PROBE_BF16_DOT, "int8_dot": _ext.PROBE_I8_DOT}
